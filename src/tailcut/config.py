@@ -1,0 +1,130 @@
+"""Configuration: pydantic v2 models, one YAML file plus dotted ``key=value`` overrides.
+
+Imports nothing heavy. Every field has bounds and a docstring; a bad value raises a
+``ConfigError`` naming the field path, the value and the allowed range. Components get
+their sub-config (``CutoffConfig``), never the root. Configs are frozen after parsing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class SimEngineConfig(_Model):
+    decode_a_s: float = Field(0.012, ge=0.0, le=10.0)
+    """Fixed cost of one decode step, seconds (τ(b) = a + c·b)."""
+    decode_c_s: float = Field(3.0e-5, ge=0.0, le=1.0)
+    """Per-running-sequence cost of one decode step, seconds."""
+    prefill_s_per_token: float = Field(2.0e-6, ge=0.0, le=1.0)
+    """Prefill cost per prompt token, seconds."""
+    kv_capacity_tokens: int = Field(4_000_000, ge=1)
+    """KV-cache capacity in tokens; requests queue when it is full."""
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV block (for the blocks-in-use counter)."""
+
+
+class EngineConfig(_Model):
+    kind: Literal["sim", "hf", "sglang", "vllm"] = "sim"
+    """Which engine generates: simulated, embedded HF, or a remote server."""
+    model: str = "builtin"
+    """Model directory, or ``builtin`` for the locally built tiny model."""
+    urls: list[str] = Field(default_factory=list)
+    """Server base URLs for sglang / vllm (one or many, data-parallel)."""
+    device: str = "auto"
+    """Device for the embedded engine: auto, cpu, cuda."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype for the embedded engine (auto: bf16 on CUDA, fp32 on CPU)."""
+    max_batch_size: int = Field(64, ge=1, le=4096)
+    """Most sequences decoded together by the embedded engine."""
+    abort_deadline_s: float = Field(5.0, gt=0.0, le=600.0)
+    """How long a cut waits for aborts to be confirmed before reporting the ids."""
+    sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    """Simulated engine model parameters."""
+
+
+class CutoffConfig(_Model):
+    policy: Literal["wait-all", "target-count", "over-provision", "group-quota", "deadline"] = (
+        "target-count"
+    )
+    """When to cut the step (see rollout/cutoff.py)."""
+    abort_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    """target-count: launch N, keep the first int(N·(1−r))."""
+    over_provision: float = Field(0.1, ge=0.0, le=4.0)
+    """over-provision / group-quota: launch ⌈N·(1+o)⌉ (or extra groups) to keep N."""
+    deadline_s: float | None = Field(None, gt=0.0)
+    """deadline: fixed deadline in seconds (None = learned)."""
+    min_fraction: float = Field(0.7, ge=0.0, le=1.0)
+    """deadline: never cut before this fraction of launched requests is done."""
+    quantile: float = Field(0.9, gt=0.0, le=1.0)
+    """deadline (learned): quantile of recent steps' completion times."""
+    slack: float = Field(0.25, ge=0.0, le=10.0)
+    """deadline (learned): the deadline is the quantile times (1 + slack)."""
+    history: int = Field(8, ge=1, le=1000)
+    """deadline (learned): how many recent steps to learn from."""
+    aborted: Literal["drop", "mask", "partial"] = "drop"
+    """What happens to cut-off samples in training (see algo/batch.py)."""
+    max_staleness: int = Field(1, ge=0, le=100)
+    """partial: drop resumed trajectories older than this many steps."""
+    audit_every: int = Field(0, ge=0)
+    """Every k steps run uncut to measure the reward estimators' bias (0 = never)."""
+    scope: Literal["worker", "global"] = "worker"
+    """With many workers: cut each worker at its own target, or all at a global one."""
+    tolerate_worker_loss: bool = False
+    """Record a dead worker's requests as FAILED and go on (else fail the step)."""
+
+
+def load_config(model: type[BaseModel], path: Path | None, overrides: list[str]) -> Any:
+    """Load ``path`` (YAML) into ``model``, applying dotted ``key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value) if value else value
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, path)) from None
+
+
+def format_validation_error(exc: ValidationError, path: Path | None = None) -> str:
+    where = f" in {path}" if path else ""
+    lines = [f"invalid configuration{where}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def dump_config(cfg: BaseModel, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,174 @@
+"""Trace events: the vocabulary, the required keys of each kind, and the JSONL writer.
+
+One JSON object a line at ``RUN_DIR/step_{k}/worker_{r}.jsonl``::
+
+    {"timestamp": ISO-8601, "event": kind, "duration_sec": float, "extra": {...},
+     "workid": str, "step": int}
+
+``timestamp`` is when the event was emitted (the *end* of a span whose length is
+``duration_sec``). Times come from the tracer's clock (the event loop's ``time()``, which is
+virtual under the simulated engine), anchored once to wall time, so virtual and real runs
+give the same shape of trace. Imports no torch and no asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import IO, Any
+
+
+class EventKind(StrEnum):
+    REQUEST_START = "request_start"
+    TURN_START = "turn_start"
+    TURN_ENGINE_CALL = "turn_engine_call"
+    TOOL_CALL = "tool_call"
+    TURN_END = "turn_end"
+    REQUEST_COMPLETE = "async_rollout_request_complete"
+    REQUEST_ABORTED = "aborted_request_with_cancelled_error"
+    REQUEST_FAILED = "request_failed"
+    CUTOFF = "cutoff_decision"
+    STEP_MONITORING = "async_rollout_with_monitoring_duration"
+    STEP_TOTAL = "total_step_duration"
+
+
+TERMINAL_EVENTS = frozenset(
+    {EventKind.REQUEST_COMPLETE, EventKind.REQUEST_ABORTED, EventKind.REQUEST_FAILED}
+)
+"""Every request has exactly one of these."""
+
+REQUIRED_EXTRA: Mapping[EventKind, frozenset[str]] = {
+    EventKind.REQUEST_START: frozenset({"index", "group"}),
+    EventKind.TURN_START: frozenset({"turn"}),
+    EventKind.TURN_ENGINE_CALL: frozenset({"turn", "request_id", "output_tokens", "finish_reason"}),
+    EventKind.TOOL_CALL: frozenset({"turn", "name", "status"}),
+    EventKind.TURN_END: frozenset({"turn"}),
+    EventKind.REQUEST_COMPLETE: frozenset({"status", "turns", "output_tokens"}),
+    EventKind.REQUEST_ABORTED: frozenset({"request_id", "output_tokens", "turns"}),
+    EventKind.REQUEST_FAILED: frozenset({"error", "output_tokens"}),
+    EventKind.CUTOFF: frozenset({"reason", "done", "launched"}),
+    EventKind.STEP_MONITORING: frozenset({"total_requests", "target_completion", "completed_count"}),
+    EventKind.STEP_TOTAL: frozenset(),
+}
+
+STEP_WORKID = "step"
+"""``workid`` of step-level events (cut-off, monitoring, total)."""
+
+
+class TraceSchemaError(ValueError):
+    pass
+
+
+def validate_record(record: Mapping[str, Any], where: str = "") -> EventKind:
+    """Check one decoded JSONL record; raise ``TraceSchemaError`` naming what is wrong."""
+    for key, typ in (("timestamp", str), ("event", str), ("workid", str), ("extra", dict)):
+        if not isinstance(record.get(key), typ):
+            raise TraceSchemaError(f"{where}: field {key!r} missing or not {typ.__name__}")
+    if not isinstance(record.get("duration_sec"), int | float):
+        raise TraceSchemaError(f"{where}: field 'duration_sec' missing or not a number")
+    if not isinstance(record.get("step"), int):
+        raise TraceSchemaError(f"{where}: field 'step' missing or not an int")
+    try:
+        kind = EventKind(record["event"])
+    except ValueError:
+        raise TraceSchemaError(f"{where}: unknown event {record['event']!r}") from None
+    missing = REQUIRED_EXTRA[kind] - record["extra"].keys()
+    if missing:
+        raise TraceSchemaError(f"{where}: event {kind.value} lacks extra keys {sorted(missing)}")
+    datetime.fromisoformat(record["timestamp"])
+    return kind
+
+
+class Tracer:
+    """Writes one worker's events for one step. Cheap: lines are buffered in memory and
+    written on ``flush``/``close`` (a few µs per event)."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        step: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.step = step
+        self.clock = clock
+        self._anchor_clock = clock()
+        self._anchor_wall = time.time()
+        self._lines: list[str] = []
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w", encoding="utf-8")
+
+    @classmethod
+    def for_step(
+        cls, run_dir: Path | None, step: int, worker: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> Tracer:
+        path = None if run_dir is None else Path(run_dir) / f"step_{step}" / f"worker_{worker}.jsonl"
+        return cls(path, step=step, clock=clock)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def emit(self, kind: EventKind, workid: str, duration_sec: float = 0.0, **extra: Any) -> None:
+        if self._file is None:
+            return
+        wall = self._anchor_wall + (self.clock() - self._anchor_clock)
+        self._lines.append(
+            json.dumps(
+                {
+                    "timestamp": datetime.fromtimestamp(wall, UTC).isoformat(),
+                    "event": kind.value,
+                    "duration_sec": round(duration_sec, 6),
+                    "extra": extra,
+                    "workid": workid,
+                    "step": self.step,
+                },
+                separators=(",", ":"),
+                default=str,
+            )
+        )
+
+    def flush(self) -> None:
+        if self._file is None or not self._lines:
+            return
+        self._file.write("\n".join(self._lines) + "\n")
+        self._file.flush()
+        self._lines.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Tracer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+NULL_TRACER = Tracer(None, step=0)
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """Read and validate a JSONL trace file; errors name the file and line."""
+    out: list[dict[str, Any]] = []
+    with Path(path).open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceSchemaError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            validate_record(rec, f"{path}:{lineno}")
+            out.append(rec)
+    return out
