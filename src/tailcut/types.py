@@ -138,6 +138,11 @@ class Sample:
     """For partial rollouts: the step that started this trajectory (None if fresh)."""
 
     @property
+    def workid(self) -> str:
+        """The id this sample's trace events carry."""
+        return f"req-{self.index:06d}"
+
+    @property
     def generated_tokens(self) -> int:
         """Tokens the policy sampled for this trajectory (including partial turns)."""
         return sum(t.output_tokens for t in self.turns)
