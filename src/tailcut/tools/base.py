@@ -1,0 +1,136 @@
+"""The Tool protocol (create → execute → calc_reward → release) and the per-sample session.
+
+A :class:`Tool` is what a user writes. A :class:`ToolSet` holds the configured tools with
+their per-call timeout and concurrency limit. The agent loop opens one
+:class:`ToolSession` per trajectory (``async with toolset.session(...)``); the session
+creates the sample's tool instances lazily, turns every failure of a call (unknown tool,
+bad arguments, timeout, exception) into an error message for the model, and always
+releases what it created — also when the trajectory is cancelled by a cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class ToolResult:
+    text: str
+    """What the model reads as the tool message."""
+    status: str = "ok"
+    """ok | error | timeout | unknown_tool | bad_arguments (tools may add their own)."""
+    step_reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    @property
+    def is_error(self) -> bool:
+        return self.status != "ok"
+
+
+@runtime_checkable
+class Tool(Protocol):
+    name: str
+
+    def schema(self) -> dict[str, Any]:
+        """OpenAI function schema: ``{"type": "function", "function": {...}}``."""
+        ...
+
+    async def create(self, instance_id: str, **create_kwargs: Any) -> None: ...
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult: ...
+
+    async def calc_reward(self, instance_id: str) -> float: ...
+
+    async def release(self, instance_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    timeout_s: float = 30.0
+    max_concurrency: int = 64
+
+
+class ToolSet:
+    """The configured tools of a run, each with its limits."""
+
+    def __init__(self, tools: Mapping[str, Tool], limits: Mapping[str, ToolLimits] | None = None):
+        self.tools = dict(tools)
+        self.limits = {name: (limits or {}).get(name, ToolLimits()) for name in self.tools}
+        self._slots = {n: asyncio.Semaphore(lim.max_concurrency) for n, lim in self.limits.items()}
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [tool.schema() for tool in self.tools.values()]
+
+    @asynccontextmanager
+    async def session(
+        self, instance_id: str, create_kwargs: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> AsyncIterator[ToolSession]:
+        session = ToolSession(self, instance_id, dict(create_kwargs or {}))
+        try:
+            yield session
+        finally:
+            # Shielded: a cut must not leave tool resources behind.
+            await asyncio.shield(session.release_all())
+
+
+class ToolSession:
+    def __init__(self, toolset: ToolSet, instance_id: str, create_kwargs: dict[str, Any]):
+        self.toolset = toolset
+        self.instance_id = instance_id
+        self.create_kwargs = create_kwargs
+        self.created: list[str] = []
+        self.calls = 0
+        self.errors = 0
+
+    async def _ensure(self, name: str) -> None:
+        if name not in self.created:
+            kwargs = self.create_kwargs.get(name) or {}
+            self.created.append(name)
+            await self.toolset.tools[name].create(self.instance_id, **kwargs)
+
+    async def call(self, name: str, arguments: Any) -> ToolResult:
+        """Run one tool call; never raises except CancelledError."""
+        self.calls += 1
+        started = time.monotonic()
+        result = await self._call(name, arguments)
+        result.duration_s = time.monotonic() - started
+        if result.is_error:
+            self.errors += 1
+        return result
+
+    async def _call(self, name: str, arguments: Any) -> ToolResult:
+        tool = self.toolset.tools.get(name)
+        if tool is None:
+            known = ", ".join(sorted(self.toolset.tools)) or "none"
+            return ToolResult(f"Error: unknown tool {name!r}; available: {known}.", "unknown_tool")
+        if not isinstance(arguments, dict):
+            return ToolResult(
+                f"Error: arguments of {name} must be a JSON object, got {json.dumps(arguments)[:200]}.",
+                "bad_arguments",
+            )
+        limits = self.toolset.limits[name]
+        try:
+            async with self.toolset._slots[name], asyncio.timeout(limits.timeout_s):
+                await self._ensure(name)
+                return await tool.execute(self.instance_id, arguments)
+        except TimeoutError:
+            return ToolResult(f"Error: {name} timed out after {limits.timeout_s:g} s.", "timeout")
+        except (TypeError, ValueError, KeyError) as exc:
+            return ToolResult(f"Error: bad arguments for {name}: {exc}", "bad_arguments")
+        except Exception as exc:  # a tool bug must not kill the trajectory
+            return ToolResult(f"Error: {name} failed: {type(exc).__name__}: {exc}", "error")
+
+    async def rewards(self) -> dict[str, float]:
+        return {name: await self.toolset.tools[name].calc_reward(self.instance_id) for name in self.created}
+
+    async def release_all(self) -> None:
+        for name in reversed(self.created):
+            await self.toolset.tools[name].release(self.instance_id)
+        self.created.clear()
