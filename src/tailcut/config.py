@@ -50,7 +50,7 @@ class EngineConfig(_Model):
     """Most sequences decoded together by the embedded engine."""
     abort_deadline_s: float = Field(5.0, gt=0.0, le=600.0)
     """How long a cut waits for aborts to be confirmed before reporting the ids."""
-    sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    sim: SimEngineConfig = SimEngineConfig()
     """Simulated engine model parameters."""
 
 

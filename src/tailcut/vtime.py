@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class _SkippingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _SkippingSelector(selectors.DefaultSelector):
     """Polls real I/O without blocking; a would-be timed wait advances the virtual clock."""
 
     def __init__(self) -> None:

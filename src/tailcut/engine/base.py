@@ -20,6 +20,7 @@ rule lives here once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ class EngineError(RuntimeError):
     """The engine failed (died, refused, or answered with an error)."""
 
 
+class EngineDied(EngineError):
+    """The engine is gone (process died, connection lost for good): the step must fail."""
+
+
 class AbortNotConfirmed(EngineError):
     """Requests that kept running after repeated aborts within the deadline."""
 
@@ -40,8 +45,7 @@ class AbortNotConfirmed(EngineError):
         shown = ", ".join(self.request_ids[:10])
         more = f" and {len(self.request_ids) - 10} more" if len(self.request_ids) > 10 else ""
         super().__init__(
-            f"{engine}: {len(self.request_ids)} request(s) still running after abort: "
-            f"{shown}{more}"
+            f"{engine}: {len(self.request_ids)} request(s) still running after abort: {shown}{more}"
         )
 
 
@@ -85,8 +89,11 @@ class BaseEngine(ABC):
             return await self._generate(request)
         except asyncio.CancelledError:
             # The caller gave up on this request: make the engine stop it too. Shielded so
-            # that a second cancellation cannot leave the request running in the engine.
-            await asyncio.shield(self.abort([request.request_id]))
+            # that a second cancellation cannot leave the request running in the engine. An
+            # engine error here must not mask the cancellation; the caller verifies
+            # ``in_flight()`` afterwards and reports what would not stop.
+            with contextlib.suppress(EngineError):
+                await asyncio.shield(self.abort([request.request_id]))
             raise
 
     @abstractmethod

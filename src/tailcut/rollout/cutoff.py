@@ -1,0 +1,299 @@
+"""Cut-off policies: pure, synchronous objects that decide when a rollout step stops.
+
+A policy owns no tasks and never awaits. The scheduler feeds it events and asks it
+questions; every answer depends only on what it was fed, so policies are unit-tested
+without asyncio (times are plain floats, the scheduler's clock).
+
+Life of a policy over one step::
+
+    policy.n_launch                      # how many samples to launch
+    policy.start(now)                    # the step begins
+    policy.on_done(index, group, status, now) -> bool   # True: cut now
+    policy.deadline() -> float | None    # absolute time to wake up at, if any
+    policy.on_deadline(now) -> bool      # the deadline passed: True = cut now
+    policy.select(samples) -> indices    # which terminal samples to keep for training
+    policy.end(stats)                    # learn from the step (learned deadline)
+
+"Usable" samples are COMPLETED or TRUNCATED (real trajectories); FAILED and ABORTED are
+finished but never count toward a target.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tailcut.config import CutoffConfig
+from tailcut.types import Sample, Status
+
+USABLE = frozenset({Status.COMPLETED, Status.TRUNCATED})
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a policy learns from a finished step."""
+
+    step_time_s: float
+    """Time from step start to the last request's end (uncut) or to the cut."""
+    cut: bool
+    usable: int
+    launched: int
+
+
+class CutoffPolicy(ABC):
+    """Base: counts finished and usable samples, keeps completion order."""
+
+    name: str = "policy"
+
+    def __init__(self, n_target: int, group_size: int = 1) -> None:
+        if n_target < 1:
+            raise ValueError(f"{self.name}: n_target must be >= 1, got {n_target}")
+        if group_size < 1:
+            raise ValueError(f"{self.name}: group_size must be >= 1, got {group_size}")
+        self.n_target = n_target
+        self.group_size = group_size
+        self.n_launch = n_target
+        self._reset(0.0)
+
+    def _reset(self, now: float) -> None:
+        self.started_at = now
+        self.finished = 0
+        self.usable_order: list[int] = []
+        self.cut = False
+
+    @property
+    def target_completion(self) -> int:
+        """How many usable samples the step waits for (reported in the trace)."""
+        return self.n_target
+
+    def start(self, now: float) -> None:
+        self._reset(now)
+
+    def on_done(self, index: int, group: int, status: Status, now: float) -> bool:
+        """Record one sample reaching a terminal state; True means cut the step now."""
+        if self.cut:
+            return False
+        self.finished += 1
+        if status in USABLE:
+            self.usable_order.append(index)
+        if self.finished >= self.n_launch:
+            return False  # nothing left to cut
+        self.cut = self._should_cut(index, group, status, now)
+        return self.cut
+
+    @abstractmethod
+    def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool: ...
+
+    def deadline(self) -> float | None:
+        return None
+
+    def on_deadline(self, now: float) -> bool:
+        return False
+
+    def select(self, samples: Sequence[Sample]) -> list[int]:
+        """Indices (launch positions) of samples kept for training, in launch order."""
+        return sorted(self.usable_order[: self.n_target])
+
+    def end(self, outcome: StepOutcome) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class WaitAll(CutoffPolicy):
+    """Baseline: never cut; keep every usable sample."""
+
+    name = "wait-all"
+
+    def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
+        return False
+
+    def select(self, samples: Sequence[Sample]) -> list[int]:
+        return sorted(self.usable_order)
+
+
+class TargetCount(CutoffPolicy):
+    """Launch N, keep the first K = int(N·(1−r)) usable samples, abort the rest."""
+
+    name = "target-count"
+
+    def __init__(self, n_target: int, group_size: int = 1, abort_ratio: float = 0.1) -> None:
+        if not 0.0 <= abort_ratio < 1.0:
+            raise ValueError(f"target-count: abort_ratio must be in [0, 1), got {abort_ratio}")
+        super().__init__(n_target, group_size)
+        self.n_launch = n_target
+        self.n_target = max(1, int(n_target * (1.0 - abort_ratio)))
+
+    def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
+        return len(self.usable_order) >= self.n_target
+
+
+class OverProvision(TargetCount):
+    """Launch ⌈N·(1+o)⌉ to keep the first N usable samples (true over-sampling)."""
+
+    name = "over-provision"
+
+    def __init__(self, n_target: int, group_size: int = 1, over_provision: float = 0.1) -> None:
+        super().__init__(n_target, group_size, abort_ratio=0.0)
+        self.n_launch = math.ceil(n_target * (1.0 + over_provision) - 1e-9)
+
+
+class GroupQuota(CutoffPolicy):
+    """Launch extra GRPO groups; keep the first complete groups; never cut a group in half.
+
+    Samples are launched group by group: sample ``i`` belongs to group ``i // G``. A group
+    is complete when all G members are usable; a group with a failed member can never be.
+    """
+
+    name = "group-quota"
+
+    def __init__(self, n_target: int, group_size: int, over_provision: float = 0.1) -> None:
+        if n_target % group_size:
+            raise ValueError(
+                f"group-quota: n_target ({n_target}) must be a multiple of group_size "
+                f"({group_size})"
+            )
+        super().__init__(n_target, group_size)
+        self.n_groups = n_target // group_size
+        self.n_launch = math.ceil(self.n_groups * (1.0 + over_provision) - 1e-9) * group_size
+
+    def _reset(self, now: float) -> None:
+        super()._reset(now)
+        self.group_usable: dict[int, int] = {}
+        self.complete_groups: list[int] = []
+
+    def on_done(self, index: int, group: int, status: Status, now: float) -> bool:
+        if not self.cut and status in USABLE:
+            count = self.group_usable.get(group, 0) + 1
+            self.group_usable[group] = count
+            if count == self.group_size:
+                self.complete_groups.append(group)
+        return super().on_done(index, group, status, now)
+
+    def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
+        return len(self.complete_groups) >= self.n_groups
+
+    @property
+    def target_completion(self) -> int:
+        return self.n_groups * self.group_size
+
+    def select(self, samples: Sequence[Sample]) -> list[int]:
+        keep = set(self.complete_groups[: self.n_groups])
+        return [s.index for s in samples if s.group in keep and s.status in USABLE]
+
+
+class Deadline(CutoffPolicy):
+    """Cut at a fixed or learned deadline, never before ``min_fraction`` are finished.
+
+    The learned deadline is ``quantile(recent step times) · (1 + slack)``: steps that run
+    like the recent ones are untouched, an outlier step is cut early. With no history and
+    no fixed deadline the step waits for all.
+    """
+
+    name = "deadline"
+
+    def __init__(
+        self,
+        n_target: int,
+        group_size: int = 1,
+        *,
+        deadline_s: float | None = None,
+        min_fraction: float = 0.7,
+        quantile: float = 0.9,
+        slack: float = 0.25,
+        history: int = 8,
+    ) -> None:
+        super().__init__(n_target, group_size)
+        self.fixed_s = deadline_s
+        self.min_fraction = min_fraction
+        self.quantile = quantile
+        self.slack = slack
+        self.history: deque[float] = deque(maxlen=history)
+        self.expired = False
+
+    def _reset(self, now: float) -> None:
+        super()._reset(now)
+        self.expired = False
+
+    @property
+    def min_done(self) -> int:
+        return math.ceil(self.min_fraction * self.n_launch - 1e-9)
+
+    def budget_s(self) -> float | None:
+        """The current deadline, relative to step start (None: wait for all)."""
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if not self.history:
+            return None
+        return quantile(sorted(self.history), self.quantile) * (1.0 + self.slack)
+
+    def deadline(self) -> float | None:
+        if self.cut or self.expired:
+            return None
+        budget = self.budget_s()
+        return None if budget is None else self.started_at + budget
+
+    def on_deadline(self, now: float) -> bool:
+        if self.cut:
+            return False
+        self.expired = True
+        self.cut = self.finished >= self.min_done and self.finished < self.n_launch
+        return self.cut
+
+    def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
+        return self.expired and self.finished >= self.min_done
+
+    def select(self, samples: Sequence[Sample]) -> list[int]:
+        return sorted(self.usable_order)
+
+    def end(self, outcome: StepOutcome) -> None:
+        self.history.append(outcome.step_time_s)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.clear()
+        self.history.extend(float(x) for x in state.get("history", []))
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of already sorted values (numpy's default method)."""
+    if not sorted_values:
+        raise ValueError("quantile of an empty sequence")
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+PolicyFactory = Callable[[CutoffConfig, int, int], CutoffPolicy]
+
+POLICIES: dict[str, PolicyFactory] = {
+    "wait-all": lambda cfg, n, g: WaitAll(n, g),
+    "target-count": lambda cfg, n, g: TargetCount(n, g, cfg.abort_ratio),
+    "over-provision": lambda cfg, n, g: OverProvision(n, g, cfg.over_provision),
+    "group-quota": lambda cfg, n, g: GroupQuota(n, g, cfg.over_provision),
+    "deadline": lambda cfg, n, g: Deadline(
+        n,
+        g,
+        deadline_s=cfg.deadline_s,
+        min_fraction=cfg.min_fraction,
+        quantile=cfg.quantile,
+        slack=cfg.slack,
+        history=cfg.history,
+    ),
+}
+
+
+def make_policy(cfg: CutoffConfig, n_target: int, group_size: int = 1) -> CutoffPolicy:
+    """Build the configured policy for a step that wants ``n_target`` samples."""
+    return POLICIES[cfg.policy](cfg, n_target, group_size)

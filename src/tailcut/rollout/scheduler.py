@@ -1,0 +1,421 @@
+"""The over-sampled rollout step: one TaskGroup, event-driven, cut by a pure policy.
+
+::
+
+    launch n_launch samples ──► each runs the rollout fn ──► terminal record (once)
+               │                          │ on_done(...)
+               ▼                          ▼
+        wait for: cut decided | all done | policy deadline  (no polling)
+               │ cut
+               ▼
+      1. one batched engine.abort(ids in flight)      (free the engine first)
+      2. cancel the tasks that are not inside generate (tool calls, between turns)
+         - tasks inside generate resolve with finish reason ABORT and their partial tokens
+         - a result that lands after the cut cancels its task at its next await
+      3. verify engine.in_flight() has none of ours; re-abort with back-off until the
+         deadline, then raise AbortNotConfirmed naming the ids
+      4. wait for every task to settle (bounded); stragglers are cancelled
+
+Every launched sample ends exactly once with a status; results keep launch order. A real
+error becomes a FAILED record with its message, never padding; an ``EngineDied`` fails the
+whole step with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tailcut.engine.base import AbortNotConfirmed, Engine, EngineDied, EngineError, EngineStats
+from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
+from tailcut.rollout.state import is_terminal, transition
+from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
+from tailcut.types import FinishReason, GenerateRequest, GenerateResult, Sample, Status
+
+
+class RolloutFn(Protocol):
+    async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None: ...
+
+
+class StepFailed(RuntimeError):
+    """The step could not finish (engine died, aborts not confirmed)."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    samples: list[Sample]
+    """Every launched sample, in launch order, each in a terminal state."""
+    kept: list[int]
+    """Launch indices of the samples kept for training, in launch order."""
+    step_time_s: float
+    """Step start to the last sample settled (the scheduler's clock)."""
+    cut_time_s: float | None
+    """Step start to the cut decision (None: no cut)."""
+    cut_reason: str | None = None
+    abort_to_idle_s: float | None = None
+    """Real seconds from the cut decision to the engine verified idle (for our ids)."""
+    cut_to_settled_s: float | None = None
+    """Real seconds from the cut decision to every task settled and traced."""
+    abort_rounds: int = 0
+    """Batched abort calls sent (1 = the first one sufficed)."""
+    target_completion: int = 0
+    engine_stats: EngineStats | None = None
+    counts: dict[Status, int] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> int:
+        return self.counts.get(Status.COMPLETED, 0) + self.counts.get(Status.TRUNCATED, 0)
+
+    @property
+    def aborted(self) -> int:
+        return self.counts.get(Status.ABORTED, 0)
+
+    @property
+    def failed(self) -> int:
+        return self.counts.get(Status.FAILED, 0)
+
+    @property
+    def wasted_tokens(self) -> int:
+        """Tokens sampled for trajectories that were cut off."""
+        return sum(s.generated_tokens for s in self.samples if s.status is Status.ABORTED)
+
+    def kept_samples(self) -> list[Sample]:
+        return [self.samples[i] for i in self.kept]
+
+
+class _StepEngine:
+    """The engine as the rollout fns of one step see it: tracks requests in flight and
+    refuses new ones after the cut (they resolve at once with ``abort``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.active: dict[str, asyncio.Task[object]] = {}
+        self.submitted: set[str] = set()
+        self.cut = False
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        task = asyncio.current_task()
+        assert task is not None
+        if self.cut:
+            task.cancel()  # the step is over: stop this trajectory at its next await
+            return GenerateResult(request.request_id, [], FinishReason.ABORT, logprobs=[])
+        self.active[request.request_id] = task
+        self.submitted.add(request.request_id)
+        try:
+            result = await self.engine.generate(request)
+        finally:
+            del self.active[request.request_id]
+        if self.cut:
+            task.cancel()  # a result that raced the cut: keep its tokens, stop after
+        return result
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.engine.abort(request_ids)
+
+    async def in_flight(self) -> list[str]:
+        return await self.engine.in_flight()
+
+    async def stats(self) -> EngineStats:
+        return await self.engine.stats()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _status_for(reason: FinishReason | None) -> Status:
+    if reason is FinishReason.STOP:
+        return Status.COMPLETED
+    if reason in (FinishReason.LENGTH, FinishReason.MAX_TURNS):
+        return Status.TRUNCATED
+    if reason is FinishReason.ABORT:
+        return Status.ABORTED
+    raise ValueError(f"rollout returned without a valid finish reason ({reason!r})")
+
+
+class _Step:
+    def __init__(
+        self,
+        engine: Engine,
+        samples: list[Sample],
+        rollout: RolloutFn,
+        policy: CutoffPolicy,
+        tracer: Tracer,
+        abort_deadline_s: float,
+        timeout_s: float | None,
+    ) -> None:
+        self.engine = _StepEngine(engine)
+        self.samples = samples
+        self.rollout = rollout
+        self.policy = policy
+        self.tracer = tracer
+        self.abort_deadline_s = abort_deadline_s
+        self.timeout_s = timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.wake = asyncio.Event()
+        self.cut_reason: str | None = None
+        self.cut_at: float | None = None
+        self.cut_perf: float | None = None
+        self.pending = len(samples)
+        self.fatal: BaseException | None = None
+
+    # -- one sample -------------------------------------------------------------------
+    async def run_one(self, sample: Sample) -> None:
+        sample.launched_at = self.loop.time()
+        transition(sample, Status.RUNNING)
+        self.tracer.emit(
+            EventKind.REQUEST_START, sample.workid, index=sample.index, group=sample.group
+        )
+        try:
+            await self.rollout(sample, self.engine, self.tracer)
+        except asyncio.CancelledError:
+            self._finish(sample, Status.ABORTED)
+            raise
+        except EngineDied as exc:
+            self._finish(sample, Status.FAILED, exc)
+            if self.fatal is None:
+                self.fatal = exc
+            self.wake.set()
+        except Exception as exc:
+            self._finish(sample, Status.FAILED, exc)
+        else:
+            try:
+                status = _status_for(sample.finish_reason)
+            except ValueError as exc:
+                self._finish(sample, Status.FAILED, exc)
+            else:
+                self._finish(sample, status)
+
+    def _finish(self, sample: Sample, status: Status, exc: BaseException | None = None) -> None:
+        now = self.loop.time()
+        sample.ended_at = now
+        sample.active_request_id = None
+        transition(sample, status)
+        last_rid = sample.turns[-1].request_id if sample.turns else ""
+        if status is Status.ABORTED:
+            sample.finish_reason = FinishReason.ABORT
+            self.tracer.emit(
+                EventKind.REQUEST_ABORTED,
+                sample.workid,
+                duration_sec=now - self.t0,
+                request_id=last_rid,
+                output_tokens=sample.generated_tokens,
+                turns=len(sample.turns),
+            )
+        elif status is Status.FAILED:
+            sample.finish_reason = FinishReason.FAILED
+            sample.error = f"{type(exc).__name__}: {exc}" if exc else "failed"
+            self.tracer.emit(
+                EventKind.REQUEST_FAILED,
+                sample.workid,
+                duration_sec=now - (sample.launched_at or self.t0),
+                error=sample.error,
+                output_tokens=sample.generated_tokens,
+            )
+        else:
+            self.tracer.emit(
+                EventKind.REQUEST_COMPLETE,
+                sample.workid,
+                duration_sec=now - (sample.launched_at or self.t0),
+                status=status.value,
+                turns=len(sample.turns),
+                output_tokens=sample.generated_tokens,
+                finish_reason=sample.finish_reason.value if sample.finish_reason else None,
+            )
+        self.pending -= 1
+        if self.cut_reason is None and self.policy.on_done(sample.index, sample.group, status, now):
+            self._decide_cut("target")
+        if self.pending == 0:
+            self.wake.set()
+
+    # -- the step ---------------------------------------------------------------------
+    def _decide_cut(self, reason: str) -> None:
+        self.cut_reason = reason
+        self.cut_at = self.loop.time()
+        self.cut_perf = time.perf_counter()
+        self.engine.cut = True
+        self.wake.set()
+
+    async def wait_for_cut(self) -> None:
+        """Return when the step is cut, all samples are done, or the engine died."""
+        hard = None if self.timeout_s is None else self.t0 + self.timeout_s
+        while self.pending and self.cut_reason is None and self.fatal is None:
+            soft = self.policy.deadline()
+            deadline = min((d for d in (soft, hard) if d is not None), default=None)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.wake.wait()
+            except TimeoutError:
+                now = self.loop.time()
+                if hard is not None and now >= hard:
+                    self._decide_cut("step_timeout")
+                elif self.policy.on_deadline(now):
+                    self._decide_cut("deadline")
+            self.wake.clear()
+
+
+async def run_step(
+    engine: Engine,
+    samples: Sequence[Sample],
+    rollout: RolloutFn,
+    policy: CutoffPolicy,
+    tracer: Tracer,
+    *,
+    abort_deadline_s: float = 5.0,
+    timeout_s: float | None = None,
+) -> StepResult:
+    """Run one over-sampled step over ``samples`` (launch ``policy.n_launch`` of them).
+
+    Raises ``StepFailed`` if the engine died or aborts could not be confirmed; every
+    sample is terminal and traced before it raises. ``timeout_s`` is a hard cap on the
+    step (the clock of the running loop): past it the step is cut whatever the policy says.
+    """
+    samples = list(samples)
+    if len(samples) != policy.n_launch:
+        raise ValueError(
+            f"{policy.name} launches {policy.n_launch} samples but {len(samples)} were given"
+        )
+    if [s.index for s in samples] != list(range(len(samples))):
+        raise ValueError("samples must be indexed 0..n-1 in launch order")
+    step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s)
+    policy.start(step.t0)
+    tasks: list[asyncio.Task[None]] = []
+    unconfirmed: list[str] = []
+    abort_to_idle: float | None = None
+    rounds = 0
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(step.run_one(s)) for s in samples]
+        await step.wait_for_cut()
+        if step.fatal is not None:
+            # The engine is gone: nothing to abort there; stop every trajectory.
+            step._decide_cut("engine_died")
+            _trace_cut(step)
+            for task in tasks:
+                task.cancel()
+        elif step.cut_reason is not None:
+            _trace_cut(step)
+            rounds, unconfirmed = await _abort_in_flight(step, tasks)
+            if step.cut_perf is not None:
+                abort_to_idle = time.perf_counter() - step.cut_perf
+            await _settle(step, tasks)
+    return _result(step, rounds, unconfirmed, abort_to_idle, await engine.stats())
+
+
+def _trace_cut(step: _Step) -> None:
+    step.tracer.emit(
+        EventKind.CUTOFF,
+        STEP_WORKID,
+        duration_sec=(step.cut_at or step.t0) - step.t0,
+        reason=step.cut_reason,
+        done=len(step.samples) - step.pending,
+        launched=len(step.samples),
+    )
+
+
+async def _abort_in_flight(step: _Step, tasks: list[asyncio.Task[None]]) -> tuple[int, list[str]]:
+    """Abort every request we have in the engine; cancel tasks outside the engine; verify.
+
+    Returns (abort rounds, ids still running at the deadline)."""
+    engine = step.engine.engine
+    ids = list(step.engine.active)
+    rounds = 0
+    if ids:
+        await _send_abort(engine, ids)
+        rounds = 1
+    inside = set(step.engine.active.values())
+    for task in tasks:
+        if not task.done() and task not in inside:
+            task.cancel()
+    ours = step.engine.submitted
+    deadline = step.loop.time() + step.abort_deadline_s
+    delay = 0.01
+    while True:
+        left = [rid for rid in await engine.in_flight() if rid in ours]
+        if not left:
+            return rounds, []
+        remaining = deadline - step.loop.time()
+        if remaining <= 0:
+            return rounds, left
+        # Back off on the tasks themselves (a confirmed abort resolves them), then retry.
+        waiting = [t for t in tasks if not t.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=min(delay, remaining))
+        else:
+            await asyncio.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.5)
+        await _send_abort(engine, left)
+        rounds += 1
+
+
+async def _send_abort(engine: Engine, ids: list[str]) -> None:
+    """An abort that fails to send is not fatal by itself: the verification loop retries
+    and reports the ids that would not stop."""
+    with contextlib.suppress(EngineError):
+        await engine.abort(ids)
+
+
+async def _settle(step: _Step, tasks: list[asyncio.Task[None]]) -> None:
+    """Wait (bounded) for the aborted generate calls to return, then cancel stragglers."""
+    waiting = [t for t in tasks if not t.done()]
+    if waiting:
+        _, still = await asyncio.wait(waiting, timeout=step.abort_deadline_s)
+        for task in still:
+            task.cancel()
+
+
+def _result(
+    step: _Step,
+    rounds: int,
+    unconfirmed: list[str],
+    abort_to_idle: float | None,
+    stats: EngineStats,
+) -> StepResult:
+    loop_now = step.loop.time()
+    counts: dict[Status, int] = {}
+    for s in step.samples:
+        if not is_terminal(s.status):  # pragma: no cover - guarded by the TaskGroup
+            raise AssertionError(f"sample {s.index} left in state {s.status}")
+        counts[s.status] = counts.get(s.status, 0) + 1
+    cut_time = None if step.cut_at is None else step.cut_at - step.t0
+    settled = None if step.cut_perf is None else time.perf_counter() - step.cut_perf
+    step.tracer.emit(
+        EventKind.STEP_MONITORING,
+        STEP_WORKID,
+        duration_sec=(step.cut_at or loop_now) - step.t0,
+        total_requests=len(step.samples),
+        target_completion=step.policy.target_completion,
+        completed_count=counts.get(Status.COMPLETED, 0) + counts.get(Status.TRUNCATED, 0),
+    )
+    step.tracer.emit(EventKind.STEP_TOTAL, STEP_WORKID, duration_sec=loop_now - step.t0)
+    step.tracer.flush()
+    if step.fatal is not None:
+        raise StepFailed(f"rollout step failed: engine died: {step.fatal}") from step.fatal
+    if unconfirmed:
+        raise StepFailed(str(AbortNotConfirmed(unconfirmed, step.engine.name)))
+    usable = counts.get(Status.COMPLETED, 0) + counts.get(Status.TRUNCATED, 0)
+    step.policy.end(
+        StepOutcome(
+            step_time_s=cut_time if cut_time is not None else loop_now - step.t0,
+            cut=cut_time is not None,
+            usable=usable,
+            launched=len(step.samples),
+        )
+    )
+    return StepResult(
+        samples=step.samples,
+        kept=step.policy.select(step.samples),
+        step_time_s=loop_now - step.t0,
+        cut_time_s=cut_time,
+        cut_reason=step.cut_reason,
+        abort_to_idle_s=abort_to_idle,
+        cut_to_settled_s=settled,
+        abort_rounds=rounds,
+        target_completion=step.policy.target_completion,
+        engine_stats=stats,
+        counts=counts,
+    )

@@ -1,0 +1,117 @@
+"""Cut-off policies as pure objects: fed events, asserted decisions. No asyncio."""
+
+import pytest
+
+from tailcut.config import CutoffConfig
+from tailcut.rollout.cutoff import (
+    Deadline,
+    GroupQuota,
+    OverProvision,
+    StepOutcome,
+    TargetCount,
+    WaitAll,
+    make_policy,
+    quantile,
+)
+from tailcut.types import Sample, Status
+
+C, F, A = Status.COMPLETED, Status.FAILED, Status.ABORTED
+
+
+def test_wait_all_never_cuts_and_keeps_every_usable():
+    p = WaitAll(4)
+    p.start(0.0)
+    assert [p.on_done(i, 0, s, float(i)) for i, s in enumerate([C, F, C, C])] == [False] * 4
+    assert p.select([]) == [0, 2, 3]
+
+
+def test_target_count_keeps_first_k_usable_in_completion_order():
+    p = TargetCount(10, abort_ratio=0.3)
+    assert (p.n_launch, p.n_target) == (10, 7)
+    p.start(0.0)
+    order = [9, 3, 1, 7, 0, 5]
+    assert not any(p.on_done(i, 0, C, 1.0) for i in order)
+    assert not p.on_done(2, 0, F, 1.0)  # failures never count toward the target
+    assert p.on_done(4, 0, C, 2.0)
+    assert p.select([]) == sorted([*order, 4])
+    assert not p.on_done(8, 0, C, 3.0)  # after the cut, events are ignored
+
+
+def test_target_count_reference_numbers():
+    p = TargetCount(1024, abort_ratio=0.1)
+    assert (p.n_launch, p.n_target) == (1024, 921)
+
+
+def test_over_provision_launches_more_to_keep_n():
+    p = OverProvision(100, over_provision=0.1)
+    assert (p.n_launch, p.n_target) == (110, 100)
+
+
+def test_group_quota_never_cuts_a_group_in_half():
+    p = GroupQuota(4, group_size=2, over_provision=1.0)  # 2 groups wanted, 4 launched
+    assert p.n_launch == 8
+    p.start(0.0)
+    assert not p.on_done(0, 0, C, 1.0)
+    assert not p.on_done(2, 1, C, 1.0)
+    assert not p.on_done(4, 2, C, 1.0)
+    assert not p.on_done(5, 2, C, 2.0)  # group 2 complete (1 of 2)
+    assert not p.on_done(1, 0, F, 2.0)  # group 0 can never complete
+    assert p.on_done(3, 1, C, 3.0)  # group 1 complete (2 of 2): cut
+    statuses = [C, F, C, C, C, C, A, A]
+    samples = [Sample(index=i, group=i // 2, status=s) for i, s in enumerate(statuses)]
+    assert p.select(samples) == [2, 3, 4, 5]
+
+
+def test_group_quota_rejects_ragged_target():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        GroupQuota(5, group_size=2)
+
+
+def test_deadline_waits_for_min_fraction_then_cuts():
+    p = Deadline(10, deadline_s=5.0, min_fraction=0.7)
+    p.start(100.0)
+    assert p.deadline() == 105.0
+    for i in range(5):
+        assert not p.on_done(i, 0, C, 101.0)
+    assert not p.on_deadline(105.0)  # 5 of 10 done < 7
+    assert p.deadline() is None
+    assert not p.on_done(5, 0, C, 106.0)
+    assert p.on_done(6, 0, C, 107.0)  # 7th: cut at once
+    assert p.select([]) == list(range(7))
+
+
+def test_deadline_cuts_at_deadline_when_enough_are_done():
+    p = Deadline(10, deadline_s=5.0, min_fraction=0.5)
+    p.start(0.0)
+    for i in range(6):
+        p.on_done(i, 0, C, 1.0)
+    assert p.on_deadline(5.0)
+
+
+def test_learned_deadline_untouched_normal_steps_cut_outlier():
+    p = Deadline(10, quantile=0.9, slack=0.25, history=4)
+    p.start(0.0)
+    assert p.deadline() is None  # no history: wait for all
+    for t in (80.0, 82.0, 78.0, 81.0):
+        p.end(StepOutcome(step_time_s=t, cut=False, usable=10, launched=10))
+    budget = p.budget_s()
+    assert budget == pytest.approx(quantile([78.0, 80.0, 81.0, 82.0], 0.9) * 1.25)
+    assert 82.0 < budget < 1.5 * 80.0
+    state = p.state_dict()
+    q = Deadline(10, quantile=0.9, slack=0.25, history=4)
+    q.load_state_dict(state)
+    assert q.budget_s() == budget
+
+
+def test_make_policy_covers_every_configured_name():
+    for name in ("wait-all", "target-count", "over-provision", "group-quota", "deadline"):
+        p = make_policy(CutoffConfig(policy=name), 8, 2)
+        assert p.name == name
+        assert p.n_launch >= p.target_completion >= 1
+
+
+def test_quantile_matches_linear_interpolation():
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert quantile([5.0], 0.9) == 5.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
