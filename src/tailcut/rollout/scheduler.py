@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +43,31 @@ class RolloutFn(Protocol):
 
 class StepFailed(RuntimeError):
     """The step could not finish (engine died, aborts not confirmed)."""
+
+
+class StepControl:
+    """A handle for a driver outside the step (a global cut coordinator).
+
+    ``on_sample_done`` is called once per sample as it reaches its terminal state;
+    ``cut(reason)`` cuts the step now (or as soon as it starts, if called before). Both run
+    on the step's event loop.
+    """
+
+    def __init__(self, on_sample_done: Callable[[Sample], None] | None = None) -> None:
+        self.on_sample_done = on_sample_done
+        self._step: _Step | None = None
+        self._pending_cut: str | None = None
+
+    def cut(self, reason: str = "external") -> None:
+        if self._step is None:
+            self._pending_cut = self._pending_cut or reason
+        elif self._step.cut_reason is None and self._step.pending:
+            self._step._decide_cut(reason)
+
+    def _attach(self, step: _Step) -> None:
+        self._step = step
+        if self._pending_cut is not None:
+            self.cut(self._pending_cut)
 
 
 @dataclass(slots=True)
@@ -147,7 +172,9 @@ class _Step:
         tracer: Tracer,
         abort_deadline_s: float,
         timeout_s: float | None,
+        control: StepControl | None,
     ) -> None:
+        self.control = control
         self.engine = _StepEngine(engine)
         self.samples = samples
         self.rollout = rollout
@@ -228,6 +255,8 @@ class _Step:
                 finish_reason=sample.finish_reason.value if sample.finish_reason else None,
             )
         self.pending -= 1
+        if self.control is not None and self.control.on_sample_done is not None:
+            self.control.on_sample_done(sample)
         if self.cut_reason is None and self.policy.on_done(sample.index, sample.group, status, now):
             self._decide_cut("target")
         if self.pending == 0:
@@ -268,12 +297,15 @@ async def run_step(
     *,
     abort_deadline_s: float = 5.0,
     timeout_s: float | None = None,
+    control: StepControl | None = None,
 ) -> StepResult:
     """Run one over-sampled step over ``samples`` (launch ``policy.n_launch`` of them).
 
     Raises ``StepFailed`` if the engine died or aborts could not be confirmed; every
     sample is terminal and traced before it raises. ``timeout_s`` is a hard cap on the
     step (the clock of the running loop): past it the step is cut whatever the policy says.
+    ``control`` lets an outside driver watch completions and cut the step (global cut
+    across workers).
     """
     samples = list(samples)
     if len(samples) != policy.n_launch:
@@ -282,7 +314,7 @@ async def run_step(
         )
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("samples must be indexed 0..n-1 in launch order")
-    step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s)
+    step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control)
     policy.start(step.t0)
     tasks: list[asyncio.Task[None]] = []
     unconfirmed: list[str] = []
@@ -290,6 +322,8 @@ async def run_step(
     rounds = 0
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(step.run_one(s)) for s in samples]
+        if control is not None:
+            control._attach(step)
         await step.wait_for_cut()
         if step.fatal is not None:
             # The engine is gone: nothing to abort there; stop every trajectory.

@@ -1,0 +1,188 @@
+"""Rollout workers as Ray actors, driven like :class:`tailcut.rollout.workers.LocalWorkers`.
+
+Each worker is an async Ray actor holding a :class:`RolloutWorker` (its engine client,
+rollout fn and trace file). With ``scope=global`` a coordinator actor receives every
+completion (fire-and-forget actor calls) and tells all workers to cut at once; the cut
+runs concurrently with the worker's step inside the actor's event loop.
+
+A worker that dies mid-step fails the step with its rank and Ray's error, or, with
+``cutoff.tolerate_worker_loss``, its samples become FAILED records and the step goes on.
+``aclose`` kills every actor this object started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tailcut.config import CutoffConfig
+from tailcut.rollout.cutoff import CutoffPolicy
+from tailcut.rollout.scheduler import StepResult
+from tailcut.rollout.workers import (
+    Coordinator,
+    RolloutWorker,
+    StepPlan,
+    WorkerRecipe,
+    Workers,
+    WorkerStep,
+    merge,
+)
+from tailcut.types import Sample, Status
+
+
+class _WorkerActor:
+    def __init__(self, rank: int, recipe: WorkerRecipe, run_dir: str | None) -> None:
+        self.worker = RolloutWorker(rank, recipe, Path(run_dir) if run_dir else None)
+
+    async def start(self) -> int:
+        await self.worker.start()
+        return self.worker.rank
+
+    async def run_step(
+        self,
+        step: int,
+        samples: list[Sample],
+        policy: CutoffPolicy,
+        coordinator: Any | None,
+        abort_deadline_s: float,
+    ) -> WorkerStep:
+        report = None
+        if coordinator is not None:
+
+            def report(rank: int, index: int, group: int, status: Status) -> None:
+                coordinator.report.remote(rank, index, group, status)
+
+        return await self.worker.run_step(step, samples, policy, report, abort_deadline_s)
+
+    async def cut(self, reason: str) -> None:
+        self.worker.cut(reason)
+
+    async def aclose(self) -> None:
+        await self.worker.aclose()
+
+
+class _CoordinatorActor:
+    def __init__(self, policy: CutoffPolicy, offsets: list[int], workers: list[Any]) -> None:
+        self.coord = Coordinator(policy, offsets, [self._cut_fn(w) for w in workers])
+        self.done = asyncio.Event()
+
+    @staticmethod
+    def _cut_fn(handle: Any) -> Any:
+        return lambda reason: handle.cut.remote(reason)
+
+    async def start(self) -> None:
+        self.coord.start()
+
+    async def report(self, rank: int, index: int, group: int, status: Status) -> None:
+        self.coord.report(rank, index, group, status)
+
+    async def worker_lost(self, rank: int) -> None:
+        self.coord.worker_lost(rank)
+
+    async def watch(self) -> None:
+        await self.coord.watch()
+
+    async def summary(self) -> tuple[float | None, str | None, CutoffPolicy]:
+        return self.coord.decided_at, self.coord.reason, self.coord.policy
+
+
+class RayWorkers(Workers):
+    """One async Ray actor per worker; an optional coordinator actor per global step."""
+
+    def __init__(
+        self,
+        cfg: CutoffConfig,
+        recipe: WorkerRecipe,
+        n_workers: int,
+        run_dir: Path | None = None,
+        *,
+        abort_deadline_s: float = 5.0,
+        num_cpus_per_worker: float = 0.5,
+    ) -> None:
+        super().__init__(cfg, n_workers)
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RayWorkers needs ray.init() first (see tailcut.rollout.ray_workers)"
+            )
+        self.namespace = f"tailcut-{uuid.uuid4().hex[:8]}"
+        self.abort_deadline_s = abort_deadline_s
+        actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)(_WorkerActor)
+        self.actors: list[Any] = [
+            actor.options(name=f"{self.namespace}-worker-{r}").remote(
+                r, recipe, str(run_dir) if run_dir else None
+            )
+            for r in range(n_workers)
+        ]
+        self._coordinators: list[Any] = []
+
+    async def start(self) -> None:
+        await asyncio.gather(*(a.start.remote() for a in self.actors))
+
+    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
+        shares = self._check(plan, samples)
+        coord: Any = None
+        if plan.coordinator_policy is not None:
+            coord_cls = ray.remote(num_cpus=0)(_CoordinatorActor)
+            coord = coord_cls.options(name=f"{self.namespace}-coord-{step}").remote(
+                plan.coordinator_policy, plan.offsets, self.actors
+            )
+            self._coordinators.append(coord)
+            await coord.start.remote()
+        refs = [
+            a.run_step.remote(step, shares[r], plan.policies[r], coord, self.abort_deadline_s)
+            for r, a in enumerate(self.actors)
+        ]
+        if coord is not None:
+            coord.watch.remote()
+
+        async def one(r: int, ref: Any) -> WorkerStep | BaseException:
+            try:
+                step_result: WorkerStep = await ref
+                return step_result
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if coord is not None:  # its samples count as failed for the global target
+                    await coord.worker_lost.remote(r)
+                return exc
+
+        steps = list(await asyncio.gather(*(one(r, ref) for r, ref in enumerate(refs))))
+        local_coord = None
+        if coord is not None:
+            decided, reason, policy = await coord.summary.remote()
+            local_coord = Coordinator(policy, plan.offsets, [])
+            local_coord.decided_at, local_coord.reason = decided, reason
+            plan.coordinator_policy = policy
+            ray.kill(coord)
+            self._coordinators.remove(coord)
+        self._fail_or_tolerate(steps)
+        result = merge(plan, steps, local_coord)
+        if local_coord is not None:
+            self.policy_state["global"] = local_coord.policy
+        return result
+
+    async def aclose(self) -> None:
+        for a in self.actors:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                await a.aclose.remote()
+            ray.kill(a)
+        for c in self._coordinators:
+            ray.kill(c)
+        self.actors = []
+        self._coordinators = []
+
+
+def init_local_ray(num_cpus: int = 4, object_store_mb: int = 100, **kwargs: Any) -> None:
+    """Start a small local Ray instance (tests, one machine)."""
+    if ray.is_initialized():
+        return
+    ray.init(
+        num_cpus=num_cpus,
+        object_store_memory=object_store_mb * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+        **kwargs,
+    )

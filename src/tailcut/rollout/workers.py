@@ -1,0 +1,379 @@
+"""Many rollout workers behind one object, with a per-worker or a global cut.
+
+A :class:`RolloutWorker` owns one engine client and one rollout fn (built from a
+picklable :class:`WorkerRecipe`) and runs the steps of its share of the samples. The
+trainer talks to a :class:`Workers` object — :class:`LocalWorkers` (same process, same
+event loop) or ``RayWorkers`` (one Ray actor per worker, ``rollout/ray_workers.py``) — and
+gets back one merged :class:`StepResult` in global launch order.
+
+Cut scope (``CutoffConfig.scope``):
+
+* ``worker``: every worker runs its own policy on its share (``n_target / W``) and stops
+  at its own target (each worker's step ends when it is done).
+* ``global``: workers never cut by themselves; each completion goes to the
+  :class:`Coordinator`, which runs the configured policy over the whole step and tells
+  every worker to cut at once. Group-quota works across workers: a group lives on one
+  worker.
+
+Samples are split in contiguous blocks of whole groups, so worker ``r`` holds global
+indices ``offsets[r] .. offsets[r+1]-1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from tailcut.config import CutoffConfig
+from tailcut.engine.base import Engine, EngineStats
+from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome, WaitAll, make_policy
+from tailcut.rollout.scheduler import RolloutFn, StepControl, StepFailed, StepResult, run_step
+from tailcut.trace.events import Tracer
+from tailcut.types import FinishReason, Sample, Status
+
+
+class WorkerRecipe(Protocol):
+    """Builds a worker's engine and rollout fn inside the worker (picklable)."""
+
+    async def build(self, rank: int) -> tuple[Engine, RolloutFn]: ...
+
+
+CutFn = Callable[[str], object]
+
+
+class Coordinator:
+    """Runs the global policy over completion events from every worker; cuts them all.
+
+    Pure bookkeeping plus a deadline watcher; it owns no worker. ``cut_fns[r]`` tells
+    worker ``r`` to cut (a direct call locally, a Ray actor call on Ray).
+    """
+
+    def __init__(self, policy: CutoffPolicy, offsets: Sequence[int], cut_fns: Sequence[CutFn]):
+        self.policy = policy
+        self.offsets = list(offsets)
+        self.cut_fns = list(cut_fns)
+        self.reported: set[int] = set()
+        self.decided_at: float | None = None
+        self.reason: str | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        self.policy.start(asyncio.get_running_loop().time())
+        self.reported.clear()
+        self.decided_at = None
+        self.reason = None
+
+    def report(self, rank: int, local_index: int, group: int, status: Status) -> None:
+        index = self.offsets[rank] + local_index
+        if index in self.reported:
+            return
+        self.reported.add(index)
+        now = asyncio.get_running_loop().time()
+        if self.reason is None and self.policy.on_done(index, group, status, now):
+            self._cut("target")
+        self._wake.set()
+
+    def worker_lost(self, rank: int) -> None:
+        """Count a dead worker's unreported samples as FAILED (tolerated worker loss)."""
+        for index in range(self.offsets[rank], self.offsets[rank + 1]):
+            if index not in self.reported:
+                self.report(rank, index - self.offsets[rank], -1, Status.FAILED)
+
+    def _cut(self, reason: str) -> None:
+        self.reason = reason
+        self.decided_at = time.monotonic()
+        for cut in self.cut_fns:
+            cut(reason)
+
+    async def watch(self) -> None:
+        """Wake at the policy's deadline until the step is cut or every sample reported."""
+        total = self.offsets[-1]
+        while self.reason is None and len(self.reported) < total:
+            try:
+                async with asyncio.timeout_at(self.policy.deadline()):
+                    await self._wake.wait()
+            except TimeoutError:
+                if self.policy.on_deadline(asyncio.get_running_loop().time()):
+                    self._cut("deadline")
+            self._wake.clear()
+
+    def select(self, samples: Sequence[Sample]) -> list[int]:
+        return self.policy.select(samples)
+
+
+@dataclass(slots=True)
+class WorkerStep:
+    """What a worker returns for one step (picklable)."""
+
+    rank: int
+    result: StepResult
+    cut_received_at: float | None
+    """``time.monotonic()`` when the worker got the cut (None: cut locally or not at all)."""
+    policy_state: dict[str, object]
+    """The worker policy's learned state after the step (shipped back from remote workers)."""
+
+
+class RolloutWorker:
+    """One worker: an engine client, a rollout fn, its own trace file per step."""
+
+    def __init__(self, rank: int, recipe: WorkerRecipe, run_dir: Path | None = None) -> None:
+        self.rank = rank
+        self.recipe = recipe
+        self.run_dir = run_dir
+        self.engine: Engine | None = None
+        self.rollout: RolloutFn | None = None
+        self.control: StepControl | None = None
+        self.cut_received_at: float | None = None
+
+    async def start(self) -> None:
+        self.engine, self.rollout = await self.recipe.build(self.rank)
+
+    def cut(self, reason: str = "global") -> None:
+        self.cut_received_at = time.monotonic()
+        if self.control is not None:
+            self.control.cut(reason)
+
+    async def run_step(
+        self,
+        step: int,
+        samples: list[Sample],
+        policy: CutoffPolicy,
+        report: Callable[[int, int, int, Status], object] | None = None,
+        abort_deadline_s: float = 5.0,
+    ) -> WorkerStep:
+        if self.engine is None or self.rollout is None:
+            await self.start()
+        assert self.engine is not None and self.rollout is not None
+        rank = self.rank
+
+        def done(sample: Sample) -> None:
+            if report is not None:
+                report(rank, sample.index, sample.group, sample.status)
+
+        self.cut_received_at = None
+        self.control = StepControl(done)
+        loop = asyncio.get_running_loop()
+        with Tracer.for_step(self.run_dir, step, rank, clock=loop.time) as tracer:
+            result = await run_step(
+                self.engine,
+                samples,
+                self.rollout,
+                policy,
+                tracer,
+                abort_deadline_s=abort_deadline_s,
+                control=self.control,
+            )
+        self.control = None
+        return WorkerStep(rank, result, self.cut_received_at, policy.state_dict())
+
+    async def aclose(self) -> None:
+        if self.engine is not None:
+            await self.engine.aclose()
+
+
+def split_offsets(n_launch: int, workers: int, group_size: int) -> list[int]:
+    """Contiguous blocks of whole groups, as even as possible: ``offsets`` of length W+1."""
+    if n_launch % group_size:
+        raise ValueError(f"{n_launch} samples are not whole groups of {group_size}")
+    groups = n_launch // group_size
+    if groups < workers:
+        raise ValueError(f"{groups} groups cannot be spread over {workers} workers")
+    base, extra = divmod(groups, workers)
+    offsets = [0]
+    for r in range(workers):
+        offsets.append(offsets[-1] + (base + (r < extra)) * group_size)
+    return offsets
+
+
+@dataclass(slots=True)
+class StepPlan:
+    n_launch: int
+    offsets: list[int]
+    policies: list[CutoffPolicy]
+    """One per worker: its own policy (scope worker) or a never-cutting one (global)."""
+    coordinator_policy: CutoffPolicy | None
+
+
+def plan_step(
+    cfg: CutoffConfig, n_target: int, group_size: int, workers: int, state: dict[str, object]
+) -> StepPlan:
+    """Decide launch counts and policies. ``state`` keeps learned policies across steps."""
+    if cfg.scope == "global" or workers == 1:
+        policy = state.get("global")
+        if not isinstance(policy, CutoffPolicy):
+            policy = state["global"] = make_policy(cfg, n_target, group_size)
+        offsets = split_offsets(policy.n_launch, workers, group_size)
+        if workers == 1:
+            return StepPlan(policy.n_launch, offsets, [policy], None)
+        locals_ = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
+        return StepPlan(policy.n_launch, offsets, list(locals_), policy)
+    if n_target % (workers * group_size):
+        raise ValueError(
+            f"scope=worker: n_target {n_target} must split into whole groups of {group_size} "
+            f"over {workers} workers"
+        )
+    per = n_target // workers
+    policies = []
+    for r in range(workers):
+        policy = state.get(f"worker{r}")
+        if not isinstance(policy, CutoffPolicy):
+            policy = state[f"worker{r}"] = make_policy(cfg, per, group_size)
+        policies.append(policy)
+    offsets = [0]
+    for p in policies:
+        offsets.append(offsets[-1] + p.n_launch)
+    return StepPlan(offsets[-1], offsets, policies, None)
+
+
+def merge(
+    plan: StepPlan,
+    steps: Sequence[WorkerStep | BaseException],
+    coordinator: Coordinator | None,
+) -> StepResult:
+    """One StepResult in global launch order from the workers' results."""
+    samples: list[Sample] = []
+    kept: list[int] = []
+    counts: dict[Status, int] = {}
+    times, cuts, idles, settles = [0.0], [], [], []
+    for r, ws in enumerate(steps):
+        lo, hi = plan.offsets[r], plan.offsets[r + 1]
+        if isinstance(ws, BaseException):
+            part = [_lost(i, lo, ws) for i in range(hi - lo)]
+        else:
+            part = ws.result.samples
+            kept += [lo + i for i in ws.result.kept]
+            times.append(ws.result.step_time_s)
+            if ws.result.cut_time_s is not None:
+                cuts.append(ws.result.cut_time_s)
+            idles.append(_idle_at(ws))
+            if ws.result.cut_to_settled_s is not None:
+                settles.append(ws.result.cut_to_settled_s)
+        for i, s in enumerate(part):
+            s.index = lo + i
+            samples.append(s)
+            counts[s.status] = counts.get(s.status, 0) + 1
+    for r, ws in enumerate(steps):
+        if not isinstance(ws, BaseException):
+            plan.policies[r].load_state_dict(ws.policy_state)
+    if coordinator is not None:
+        kept = coordinator.select(samples)
+        cut_time = min(cuts) if cuts else None
+        coordinator.policy.end(
+            StepOutcome(
+                step_time_s=cut_time if cut_time is not None else max(times),
+                cut=cut_time is not None,
+                usable=len(kept),
+                launched=len(samples),
+            )
+        )
+    decided = coordinator.decided_at if coordinator else None
+    propagation = None
+    if decided is not None and any(t is not None for t in idles):
+        propagation = max(t for t in idles if t is not None) - decided
+    return StepResult(
+        samples=samples,
+        kept=sorted(kept),
+        step_time_s=max(times),
+        cut_time_s=min(cuts) if cuts else None,
+        cut_reason=coordinator.reason if coordinator else None,
+        abort_to_idle_s=propagation,
+        cut_to_settled_s=max(settles) if settles else None,
+        target_completion=sum(p.target_completion for p in plan.policies)
+        if plan.coordinator_policy is None
+        else plan.coordinator_policy.target_completion,
+        engine_stats=EngineStats(),
+        counts=counts,
+    )
+
+
+def _idle_at(ws: WorkerStep) -> float | None:
+    if ws.cut_received_at is None or ws.result.abort_to_idle_s is None:
+        return None
+    return ws.cut_received_at + ws.result.abort_to_idle_s
+
+
+def _lost(i: int, lo: int, exc: BaseException) -> Sample:
+    s = Sample(index=lo + i, status=Status.FAILED, finish_reason=FinishReason.FAILED)
+    s.error = f"worker lost: {type(exc).__name__}: {exc}"
+    return s
+
+
+class Workers(ABC):
+    """What the trainer drives: one step over all workers, merged."""
+
+    def __init__(self, cfg: CutoffConfig, n_workers: int) -> None:
+        self.cfg = cfg
+        self.n_workers = n_workers
+        self.policy_state: dict[str, object] = {}
+
+    def plan(self, n_target: int, group_size: int = 1) -> StepPlan:
+        return plan_step(self.cfg, n_target, group_size, self.n_workers, self.policy_state)
+
+    @abstractmethod
+    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    def _check(self, plan: StepPlan, samples: list[Sample]) -> list[list[Sample]]:
+        if len(samples) != plan.n_launch:
+            raise ValueError(f"plan launches {plan.n_launch} samples, got {len(samples)}")
+        shares = []
+        for r in range(self.n_workers):
+            part = [replace(s) for s in samples[plan.offsets[r] : plan.offsets[r + 1]]]
+            for i, s in enumerate(part):
+                s.index = i
+            shares.append(part)
+        return shares
+
+    def _fail_or_tolerate(self, steps: Sequence[WorkerStep | BaseException]) -> None:
+        errors = [(r, e) for r, e in enumerate(steps) if isinstance(e, BaseException)]
+        if errors and not self.cfg.tolerate_worker_loss:
+            r, exc = errors[0]
+            raise StepFailed(f"rollout worker {r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+class LocalWorkers(Workers):
+    """Workers in this process, on this event loop (tests, one machine, no Ray)."""
+
+    def __init__(
+        self, cfg: CutoffConfig, recipe: WorkerRecipe, n_workers: int, run_dir: Path | None = None
+    ) -> None:
+        super().__init__(cfg, n_workers)
+        self.workers = [RolloutWorker(r, recipe, run_dir) for r in range(n_workers)]
+
+    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
+        shares = self._check(plan, samples)
+        coord = None
+        if plan.coordinator_policy is not None:
+            coord = Coordinator(
+                plan.coordinator_policy, plan.offsets, [w.cut for w in self.workers]
+            )
+            coord.start()
+        report = coord.report if coord else None
+
+        async def one(r: int) -> WorkerStep:
+            return await self.workers[r].run_step(step, shares[r], plan.policies[r], report)
+
+        tasks = [asyncio.create_task(one(r)) for r in range(self.n_workers)]
+        watch = asyncio.create_task(coord.watch()) if coord else None
+        try:
+            steps = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+        for s in steps:
+            if isinstance(s, asyncio.CancelledError):
+                raise s
+        self._fail_or_tolerate(steps)
+        return merge(plan, steps, coord)
+
+    async def aclose(self) -> None:
+        for w in self.workers:
+            await w.aclose()
