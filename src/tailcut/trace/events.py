@@ -51,7 +51,9 @@ REQUIRED_EXTRA: Mapping[EventKind, frozenset[str]] = {
     EventKind.REQUEST_ABORTED: frozenset({"request_id", "output_tokens", "turns"}),
     EventKind.REQUEST_FAILED: frozenset({"error", "output_tokens"}),
     EventKind.CUTOFF: frozenset({"reason", "done", "launched"}),
-    EventKind.STEP_MONITORING: frozenset({"total_requests", "target_completion", "completed_count"}),
+    EventKind.STEP_MONITORING: frozenset(
+        {"total_requests", "target_completion", "completed_count"}
+    ),
     EventKind.STEP_TOTAL: frozenset(),
 }
 
@@ -107,9 +109,15 @@ class Tracer:
 
     @classmethod
     def for_step(
-        cls, run_dir: Path | None, step: int, worker: int = 0, clock: Callable[[], float] = time.monotonic
+        cls,
+        run_dir: Path | None,
+        step: int,
+        worker: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Tracer:
-        path = None if run_dir is None else Path(run_dir) / f"step_{step}" / f"worker_{worker}.jsonl"
+        path = (
+            None if run_dir is None else Path(run_dir) / f"step_{step}" / f"worker_{worker}.jsonl"
+        )
         return cls(path, step=step, clock=clock)
 
     @property

@@ -1,0 +1,84 @@
+"""``tailcut trace perfetto`` and ``tailcut report``: look at a traced run.
+
+Heavy imports (rich, matplotlib) stay inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+trace_app = typer.Typer(name="trace", help="Export rollout traces.", no_args_is_help=True)
+
+
+def _fail(message: str) -> typer.Exit:
+    from rich.console import Console
+
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(1)
+
+
+@trace_app.command("perfetto")
+def perfetto(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with step_*/worker_*.jsonl.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Output JSON (open in ui.perfetto.dev).")
+    ],
+    align: Annotated[
+        str, typer.Option(help="Time origin: 'step' (each step at 0) or 'run' (one timeline).")
+    ] = "step",
+) -> None:
+    """Write a Chrome/Perfetto trace: one track per request, turns and calls as slices, the cut as an instant."""
+    from rich.console import Console
+
+    from tailcut.trace.load import TraceError
+    from tailcut.trace.perfetto import write_perfetto
+
+    if align not in ("step", "run"):
+        raise _fail(f"--align must be 'step' or 'run', got {align!r}")
+    try:
+        counts = write_perfetto(run_dir, out, "step" if align == "step" else "run")
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    Console(soft_wrap=True).print(
+        f"wrote {out}: {counts['steps']} step(s), {counts['processes']} worker track group(s), "
+        f"{counts['requests']:,} requests, {counts['slices']:,} slices, {counts['cuts']} cut(s)",
+        highlight=False,
+    )
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (or benchmark trace directory).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Completion-CDF PNG (default RUN_DIR/completion_cdf.png).")
+    ] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Do not write the plot.")] = False,
+) -> None:
+    """Tail analysis per step: completion percentiles, share done by 40/50% of the step, turn mix, wasted tokens."""
+    from tailcut.trace.load import TraceError
+    from tailcut.trace.report import analyse_run, plot_cdf, render_tables
+
+    try:
+        reports = analyse_run(run_dir)
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    plot_path = None if no_plot else plot_cdf(reports, plot or Path(run_dir) / "completion_cdf.png")
+    if as_json:
+        payload = {
+            "run_dir": str(run_dir),
+            "plot": None if plot_path is None else str(plot_path),
+            "steps": [r.to_json() for r in reports],
+        }
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+    for table in render_tables(reports):
+        console.print(table)
+    if plot_path is not None:
+        console.print(f"completion CDF: {plot_path}", highlight=False)
