@@ -97,6 +97,8 @@ class Turn:
     weight_version: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_parse_errors: int = 0
+    """Tool-call blocks that could not be parsed (also counted in ``tool_errors``)."""
     engine_s: float = 0.0
     tool_s: float = 0.0
 
