@@ -35,6 +35,54 @@ class SimEngineConfig(_Model):
     """Tokens per KV block (for the blocks-in-use counter)."""
 
 
+class HFEngineConfig(_Model):
+    max_seq_len: int = Field(4096, ge=16, le=1_048_576)
+    """KV-cache slot length: prompt plus generated tokens of one request (capped by the
+    model's max_position_embeddings)."""
+    max_prefill_tokens: int = Field(8192, ge=16, le=1_048_576)
+    """Most padded prompt tokens (rows x longest prompt) prefilled in one forward pass."""
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV block in the blocks-in-use counter."""
+    logprobs: Literal["sampled", "scaled", "raw"] = "sampled"
+    """Which log-prob of each sampled token is returned: sampled = the temperature-scaled,
+    top-p-renormalised distribution sampled from; scaled = temperature-scaled, no top-p;
+    raw = the model's own distribution (temperature 1)."""
+    seed: int = Field(0, ge=0)
+    """Seeds the random streams of requests that carry no seed of their own."""
+
+
+class RemoteEngineConfig(_Model):
+    """Client settings for SGLang / vLLM servers (``engine.urls``)."""
+
+    ready_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """How long the first request waits for every server to pass its health check."""
+    connect_timeout_s: float = Field(10.0, gt=0.0, le=600.0)
+    """Timeout of one TCP connect to a server."""
+    control_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Timeout of one control call (weight update, cache flush, memory release)."""
+    request_timeout_s: float | None = Field(None, gt=0.0)
+    """Cap on one generate call (None: none; a cut is what ends stragglers)."""
+    retries: int = Field(3, ge=0, le=50)
+    """Retries of a call that could not connect or got HTTP 502/503/504; a generate call
+    is retried only when it never reached the server."""
+    balance: Literal["round-robin", "least-loaded"] = "least-loaded"
+    """How a request picks a server: in turn, or the one with fewest of our requests."""
+    stream: bool = False
+    """SGLang: stream tokens (partial output known client-side). vLLM always streams,
+    since closing its stream is how it is told to abort."""
+    reabort_interval_s: float = Field(0.25, gt=0.0, le=60.0)
+    """Longest wait between re-sent aborts while an abort is not yet confirmed."""
+    verify_load: bool = True
+    """After an abort, check the servers' load counters until they hold no more requests
+    than ours still running (turn off when other clients share the servers)."""
+    model_name: str | None = None
+    """vLLM served model name (None: the first one /v1/models lists)."""
+    api_key: str | None = None
+    """Bearer token sent to the servers (None: none)."""
+    max_connections: int = Field(1024, ge=1, le=100_000)
+    """Open connections per server (one per concurrent request)."""
+
+
 class EngineConfig(_Model):
     kind: Literal["sim", "hf", "sglang", "vllm"] = "sim"
     """Which engine generates: simulated, embedded HF, or a remote server."""
@@ -52,6 +100,10 @@ class EngineConfig(_Model):
     """How long a cut waits for aborts to be confirmed before reporting the ids."""
     sim: SimEngineConfig = SimEngineConfig()
     """Simulated engine model parameters."""
+    hf: HFEngineConfig = HFEngineConfig()
+    """Embedded (in-process Hugging Face) engine parameters."""
+    remote: RemoteEngineConfig = RemoteEngineConfig()
+    """SGLang / vLLM server client settings."""
 
 
 class CutoffConfig(_Model):
@@ -85,6 +137,29 @@ class CutoffConfig(_Model):
     """Record a dead worker's requests as FAILED and go on (else fail the step)."""
 
 
+class AgentLoopConfig(_Model):
+    """One multi-turn trajectory: generate → parse tool calls → run tools → repeat."""
+
+    max_turns: int = Field(8, ge=1, le=1000)
+    """Most assistant turns (engine calls) per trajectory."""
+    max_response_tokens: int = Field(4096, ge=1, le=1_048_576)
+    """Most response tokens across turns (sampled and tool output), as in verl's response_length."""
+    max_new_tokens: int = Field(1024, ge=1, le=1_048_576)
+    """Most tokens sampled in one turn (also capped by what is left of max_response_tokens)."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    tool_parser: Literal["hermes"] = "hermes"
+    """How tool calls are read from assistant text."""
+    max_tool_calls_per_turn: int = Field(8, ge=1, le=256)
+    """Calls beyond this in one turn are answered with an error message, not run."""
+    max_tool_call_chars: int = Field(16_384, ge=16, le=10_000_000)
+    """A tool-call block longer than this is a parse error."""
+    max_tool_response_chars: int = Field(8_192, ge=16, le=10_000_000)
+    """Tool output longer than this is cut (its start kept) before the model reads it."""
+
+
 def load_config(model: type[BaseModel], path: Path | None, overrides: list[str]) -> Any:
     """Load ``path`` (YAML) into ``model``, applying dotted ``key=value`` overrides."""
     raw: dict[str, Any] = {}
@@ -113,16 +188,43 @@ def load_config(model: type[BaseModel], path: Path | None, overrides: list[str])
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, path)) from None
+        raise ConfigError(format_validation_error(exc, path, model)) from None
 
 
-def format_validation_error(exc: ValidationError, path: Path | None = None) -> str:
+def format_validation_error(
+    exc: ValidationError, path: Path | None = None, model: type[BaseModel] | None = None
+) -> str:
     where = f" in {path}" if path else ""
     lines = [f"invalid configuration{where}:"]
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+        allowed = allowed_range(model, err["loc"]) if model is not None else None
+        hint = f"; allowed: {allowed}" if allowed else ""
+        lines.append(f"  {loc}: {err['msg']}{hint} (got {err.get('input')!r})")
     return "\n".join(lines)
+
+
+def allowed_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    """The bounds of the field at ``loc`` as text (``0 <= x < 1``), or None if unbounded."""
+    field_info = None
+    node: Any = model
+    for part in loc:
+        fields = getattr(node, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            return None
+        field_info = fields[part]
+        node = field_info.annotation
+    if field_info is None:
+        return None
+    low = high = ""
+    for meta in field_info.metadata:
+        for attr, text in (("ge", "{} <= "), ("gt", "{} < ")):
+            if getattr(meta, attr, None) is not None:
+                low = text.format(getattr(meta, attr))
+        for attr, text in (("le", " <= {}"), ("lt", " < {}")):
+            if getattr(meta, attr, None) is not None:
+                high = text.format(getattr(meta, attr))
+    return f"{low}x{high}" if low or high else None
 
 
 def dump_config(cfg: BaseModel, path: Path) -> None:
