@@ -68,6 +68,14 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [tool.schema() for tool in self.tools.values()]
 
+    async def aclose(self) -> None:
+        """Close tools that hold run-wide resources (HTTP sessions, worker processes):
+        those with an ``aclose()`` method."""
+        for tool in self.tools.values():
+            closer = getattr(tool, "aclose", None)
+            if closer is not None:
+                await closer()
+
     @asynccontextmanager
     async def session(
         self, instance_id: str, create_kwargs: Mapping[str, Mapping[str, Any]] | None = None
@@ -128,7 +136,10 @@ class ToolSession:
             return ToolResult(f"Error: {name} failed: {type(exc).__name__}: {exc}", "error")
 
     async def rewards(self) -> dict[str, float]:
-        return {name: await self.toolset.tools[name].calc_reward(self.instance_id) for name in self.created}
+        return {
+            name: await self.toolset.tools[name].calc_reward(self.instance_id)
+            for name in self.created
+        }
 
     async def release_all(self) -> None:
         for name in reversed(self.created):

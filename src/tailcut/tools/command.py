@@ -1,0 +1,98 @@
+"""``tailcut sandbox run FILE.py``: run one program in the local sandbox (or on a Sandbox
+Fusion server) and print what happened."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from tailcut.tools.sandbox import SandboxResult
+
+sandbox_app = typer.Typer(help="Run programs in the code sandbox.", no_args_is_help=True)
+
+
+@sandbox_app.command("run")
+def run(
+    file: Annotated[
+        Path, typer.Argument(help="Python program to run.", exists=True, dir_okay=False)
+    ],
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.1, help="Wall-clock limit (s).")
+    ] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    memory_mb: Annotated[
+        int, typer.Option("--memory-mb", min=32, help="Address-space limit.")
+    ] = 1024,
+    stdin: Annotated[
+        Path | None,
+        typer.Option(
+            "--stdin", help="File fed to the program's stdin.", exists=True, dir_okay=False
+        ),
+    ] = None,
+    fusion_url: Annotated[
+        str | None, typer.Option("--fusion-url", help="Run on this Sandbox Fusion server instead.")
+    ] = None,
+) -> None:
+    """Run FILE in the sandbox. Prints {"status", "stdout", "stderr", "exit_code",
+    "duration_s"} (plus detail and isolation) with --json. Exit code: 0 if the status is
+    ok, 1 for any other status, 2 if the sandbox itself failed."""
+    import asyncio
+
+    from tailcut.tools.fusion import FusionConfig, FusionError, SandboxFusionClient
+    from tailcut.tools.sandbox import LocalSandbox, SandboxConfig, SandboxError
+
+    code = file.read_text(encoding="utf-8")
+    data = stdin.read_text(encoding="utf-8") if stdin else None
+
+    async def go() -> SandboxResult:
+        if fusion_url:
+            cfg = FusionConfig(url=fusion_url, timeout_s=timeout, memory_limit_mb=memory_mb)
+            async with SandboxFusionClient(cfg) as client:
+                return await client.run(code, stdin=data)
+        box = LocalSandbox(SandboxConfig(timeout_s=timeout, memory_mb=memory_mb))
+        return await box.run(code, stdin=data)
+
+    try:
+        result = asyncio.run(go())
+    except (SandboxError, FusionError) as exc:
+        if as_json:
+            typer.echo(json.dumps({"status": "sandbox_error", "error": str(exc)}))
+        else:
+            typer.secho(f"sandbox failed: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        keys = ("status", "stdout", "stderr", "exit_code", "duration_s", "detail", "isolation")
+        typer.echo(json.dumps({k: getattr(result, k) for k in keys}))
+    else:
+        _show(result)
+    raise typer.Exit(0 if result.status == "ok" else 1)
+
+
+def _show(result: SandboxResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console, err = Console(), Console(stderr=True)
+    if result.stdout:
+        console.out(
+            result.stdout, end="" if result.stdout.endswith("\n") else "\n", highlight=False
+        )
+    if result.stderr:
+        err.out(
+            result.stderr,
+            end="" if result.stderr.endswith("\n") else "\n",
+            style="red",
+            highlight=False,
+        )
+    table = Table(show_header=False, box=None)
+    colour = "green" if result.status == "ok" else "red"
+    table.add_row("status", f"[{colour}]{result.status}[/] {result.detail}")
+    table.add_row("exit code", str(result.exit_code))
+    table.add_row("duration", f"{result.duration_s:.3f} s")
+    for key, value in result.isolation.items():
+        table.add_row(key, value)
+    err.print(table)

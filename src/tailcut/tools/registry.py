@@ -1,0 +1,195 @@
+"""Tools from a verl tool-config YAML file, as it is.
+
+```yaml
+tools:
+  - class_name: verl.tools.gsm8k_tool.Gsm8kTool        # or tailcut.tools.gsm8k.Gsm8kTool
+    config: {type: native, timeout: 30}                 # per-call timeout (s), optional
+    tool_schema:
+      type: function
+      function: {name: calc_gsm8k_reward, description: ..., parameters: {...}}
+```
+
+verl class names map to tailcut's tools (:data:`VERL_CLASSES`); any other dotted path is
+imported (a class with ``from_config(config, tool_schema)``, or a constructor taking
+``(config, tool_schema)`` or nothing). ``config`` keys ``type``, ``timeout`` and
+``max_concurrency`` are the tool set's; every other key goes to the tool. Errors name the
+file and the field (``tools.yaml: tools[1].tool_schema.function.name: ...``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tailcut.tools.base import Tool, ToolLimits, ToolSet
+
+VERL_CLASSES: dict[str, str] = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "tailcut.tools.gsm8k.Gsm8kTool",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "tailcut.tools.code_interpreter.CodeInterpreterTool",
+    "verl.tools.sandbox_fusion_tool.SandboxFusionTool": "tailcut.tools.code_interpreter.CodeInterpreterTool",
+}  # fmt: skip
+TOOLSET_KEYS = ("type", "timeout", "max_concurrency")
+
+
+class ToolConfigError(ValueError):
+    """A tool-config file that cannot be loaded; the message names file and field."""
+
+
+class FunctionSchema(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionSchema
+
+
+class ToolEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    class_name: str = Field(min_length=1)
+    config: dict[str, Any] = Field(default_factory=dict)
+    tool_schema: ToolSchema | None = None
+
+
+class ToolConfigFile(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    tools: list[ToolEntry]
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _validation_message(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid tool config:"]
+    for err in exc.errors():
+        lines.append(f"  {_where(tuple(err['loc']))}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_tool_config(path: str | Path) -> ToolSet:
+    """The :class:`ToolSet` a verl tool-config YAML file describes."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ToolConfigError(f"tool config {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ToolConfigError(f"{path}: not valid YAML: {exc}") from None
+    return build_toolset(raw, source=str(path))
+
+
+def build_toolset(raw: Any, *, source: str = "tool config") -> ToolSet:
+    try:
+        spec = ToolConfigFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ToolConfigError(_validation_message(source, exc)) from None
+    tools: dict[str, Tool] = {}
+    limits: dict[str, ToolLimits] = {}
+    for i, entry in enumerate(spec.tools):
+        where = f"{source}: tools[{i}]"
+        tool, lim = _build_one(entry, where)
+        if tool.name in tools:
+            raise ToolConfigError(
+                f"{where}.tool_schema.function.name: tool {tool.name!r} is defined twice"
+            )
+        tools[tool.name], limits[tool.name] = tool, lim
+    return ToolSet(tools, limits)
+
+
+def _limits(config: Mapping[str, Any], where: str) -> ToolLimits:
+    kind = config.get("type", "native")
+    if kind != "native":
+        raise ToolConfigError(
+            f"{where}.config.type: only 'native' tools are supported, got {kind!r}"
+        )
+    timeout, concurrency = ToolLimits().timeout_s, ToolLimits().max_concurrency
+    for key in ("timeout", "max_concurrency"):
+        if key not in config:
+            continue
+        try:
+            value = float(config[key])
+        except (TypeError, ValueError):
+            raise ToolConfigError(
+                f"{where}.config.{key}: expected a number, got {config[key]!r}"
+            ) from None
+        if value <= 0:
+            raise ToolConfigError(f"{where}.config.{key}: must be > 0, got {config[key]!r}")
+        if key == "timeout":
+            timeout = value
+        else:
+            concurrency = int(value)
+    return ToolLimits(timeout_s=timeout, max_concurrency=concurrency)
+
+
+def resolve_class(class_name: str, where: str) -> type:
+    target = VERL_CLASSES.get(class_name, class_name)
+    module_name, _, attr = target.rpartition(".")
+    if not module_name:
+        raise ToolConfigError(f"{where}.class_name: {class_name!r} is not a dotted path")
+    if target.startswith("verl."):
+        known = ", ".join(VERL_CLASSES)
+        raise ToolConfigError(
+            f"{where}.class_name: verl class {class_name!r} has no tailcut counterpart; known: {known}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise ToolConfigError(f"{where}.class_name: cannot import {target!r}: {exc}") from None
+    if not isinstance(cls, type):
+        raise ToolConfigError(f"{where}.class_name: {target!r} is not a class")
+    return cls
+
+
+def _instantiate(
+    cls: type, config: dict[str, Any], schema: dict[str, Any] | None, where: str
+) -> Any:
+    try:
+        if hasattr(cls, "from_config"):
+            return cls.from_config(config, schema)
+        if not inspect.signature(cls).parameters:
+            if config:
+                raise ValueError(f"{cls.__name__} takes no options, got {', '.join(config)}")
+            return cls()
+        return cls(config, schema)
+    except ValidationError as exc:
+        errs = "; ".join(f"{_where(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ToolConfigError(f"{where}.config: {errs}") from None
+    except (TypeError, ValueError) as exc:
+        raise ToolConfigError(f"{where}.config: {exc}") from None
+
+
+def _build_one(entry: ToolEntry, where: str) -> tuple[Tool, ToolLimits]:
+    cls = resolve_class(entry.class_name, where)
+    lim = _limits(entry.config, where)
+    tool_config = {k: v for k, v in entry.config.items() if k not in TOOLSET_KEYS}
+    schema = entry.tool_schema.model_dump(exclude_none=True) if entry.tool_schema else None
+    tool = _instantiate(cls, tool_config, schema, where)
+    if not isinstance(tool, Tool):
+        raise ToolConfigError(
+            f"{where}.class_name: {entry.class_name!r} does not implement the Tool protocol"
+        )
+    if schema is not None and tool.name != schema["function"]["name"]:
+        raise ToolConfigError(
+            f"{where}.tool_schema.function.name: {schema['function']['name']!r} does not match "
+            f"the tool's own name {tool.name!r}"
+        )
+    return tool, lim

@@ -1,0 +1,437 @@
+"""Supervisor of one sandboxed program (run as ``python -I -S sandbox_launcher.py SPEC``).
+
+Standard library only: it runs before any site packages are importable. The parent
+(:mod:`tailcut.tools.sandbox`) passes a JSON spec and an "info" pipe; this process
+
+1. joins the pids cgroup the parent prepared (if any) and becomes a child subreaper, so
+   every orphan of the program is re-parented here instead of escaping to init;
+2. enters new network / pid / mount namespaces where the kernel allows (as root
+   directly, otherwise through a new user namespace) and records what it could not do;
+3. in the mount namespace: private tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` (the
+   work directory is bound back in), the interpreter made reachable for the
+   unprivileged uid, and every other mount remounted read-only;
+4. forks the program: rlimits, unprivileged uid or dropped capabilities,
+   ``no_new_privs``, parent-death signal, then ``execve``;
+5. waits for it, kills and reaps whatever it left behind, and reports the exit status
+   and resource usage as JSON lines on the info pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import stat
+import sys
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+NO_REMOUNT = ("/proc", "/sys", "/dev")
+NAMESPACES = (("net", CLONE_NEWNET), ("pid", CLONE_NEWPID), ("mount", CLONE_NEWNS))
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    """A step the sandbox cannot run without."""
+
+
+def _call(name: str, *args: object) -> None:
+    func = getattr(_libc, name)
+    if func(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    enc = [None if s is None else s.encode() for s in (src, target, fstype, data)]
+    _call("mount", enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3])
+
+
+def _prctl(option: int, arg: int) -> None:
+    _call("prctl", option, ctypes.c_ulong(arg), 0, 0, 0)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# -- namespaces -------------------------------------------------------------------------
+
+
+def _enter_user_namespace(uid: int, gid: int) -> None:
+    _call("unshare", CLONE_NEWUSER)
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def _user_namespace_refused(uid: int, gid: int) -> str | None:
+    """Try a user namespace in a throwaway child first (a half-made one, e.g. without a
+    uid map, cannot be left again); None if it works, else why not."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            _enter_user_namespace(uid, gid)
+            os.write(w, b"ok")
+        except OSError as exc:
+            os.write(w, (exc.strerror or str(exc)).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        answer = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return None if answer == "ok" else answer or "the probe died"
+
+
+def enter_namespaces(wanted: list[str], notes: dict) -> None:
+    """Unshare what we can; ``notes`` gets ``{"net": True | "reason", ...}``."""
+    flags = {name: flag for name, flag in NAMESPACES if name in wanted}
+    if not flags:
+        return
+    if os.geteuid() != 0:
+        uid, gid = os.getuid(), os.getgid()
+        refused = _user_namespace_refused(uid, gid)
+        if refused is not None:
+            reason = f"user namespaces not permitted for uid {uid}: {refused}"
+            notes.update(dict.fromkeys(flags, reason))
+            return
+        _enter_user_namespace(uid, gid)
+        notes["user_namespace"] = True
+    try:
+        _call("unshare", sum(flags.values()))
+        notes.update(dict.fromkeys(flags, True))
+    except OSError:
+        for name, flag in flags.items():  # take what the kernel allows, one by one
+            try:
+                _call("unshare", flag)
+                notes[name] = True
+            except OSError as exc:
+                notes[name] = f"unshare({name}) refused: {exc.strerror}"
+
+
+# -- mount namespace --------------------------------------------------------------------
+
+
+def _mount_points() -> list[str]:
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            raw = line.split()[4]
+            points.append(raw.encode().decode("unicode_escape"))
+    return points
+
+
+def _under(path: str, roots: tuple[str, ...] | list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _flags_of(path: str) -> int:
+    """The per-mount flags a remount must keep (locked in a user namespace)."""
+    st = os.statvfs(path)
+    table = (
+        (os.ST_NOSUID, MS_NOSUID),
+        (os.ST_NODEV, MS_NODEV),
+        (os.ST_NOEXEC, MS_NOEXEC),
+        (os.ST_NOATIME, MS_NOATIME),
+        (os.ST_NODIRATIME, MS_NODIRATIME),
+        (os.ST_RELATIME, MS_RELATIME),
+    )
+    return sum(ms for st_flag, ms in table if st.f_flag & st_flag)
+
+
+def private_tmp(workdir: str, size_bytes: int, made: list[str]) -> list[str]:
+    """Fresh tmpfs over the shared temp dirs; the work dir is bound back at its path.
+    Every mount made is appended to ``made`` (for a rollback)."""
+    wd_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+    mounted = []
+    try:
+        for d in PRIVATE_DIRS:
+            if not os.path.isdir(d) or os.path.islink(d):
+                continue
+            opts = f"mode=1777,size={max(size_bytes, 1 << 20)}"
+            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+            made.append(d)
+            mounted.append(d)
+            if _under(workdir, [d]):
+                os.makedirs(workdir, mode=0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{wd_fd}", workdir, None, MS_BIND, None)
+                made.append(workdir)
+    finally:
+        os.close(wd_fd)
+    return mounted
+
+
+def _blocked_dir(path: str) -> tuple[str, str] | None:
+    """The first ancestor of ``path`` others cannot search, and the child to expose."""
+    parts = [p for p in path.split("/") if p]
+    for i in range(len(parts) - 1):
+        parent = "/" + "/".join(parts[: i + 1])
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return parent, parts[i + 1]
+    return None
+
+
+def expose(paths: list[str], made: list[str]) -> list[str]:
+    """Make ``paths`` reachable for an unprivileged uid by covering each unsearchable
+    ancestor with a tmpfs that holds bind mounts of only the needed children."""
+    done: list[str] = []
+    for _ in range(64):
+        blocked: dict[str, set[str]] = {}
+        for p in paths:
+            hit = _blocked_dir(p) if os.path.exists(p) else None
+            if hit:
+                blocked.setdefault(hit[0], set()).add(hit[1])
+        if not blocked:
+            return done
+        for parent, children in blocked.items():
+            fds = {c: os.open(os.path.join(parent, c), os.O_PATH) for c in children}
+            try:
+                _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+                made.append(parent)
+                for child, fd in fds.items():
+                    target = os.path.join(parent, child)
+                    if stat.S_ISDIR(os.fstat(fd).st_mode):
+                        os.mkdir(target, 0o755)
+                    else:
+                        open(target, "w").close()
+                    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+                    made.append(target)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            done.append(parent)
+    raise SetupError(f"could not expose {paths}")
+
+
+def readonly_rest(writable: list[str]) -> list[str]:
+    """Remount every mount read-only except ``writable`` and /proc, /sys, /dev."""
+    failed = []
+    for point in _mount_points():
+        if _under(point, writable) or _under(point, NO_REMOUNT):
+            continue
+        try:
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(point)
+            _mount(None, point, None, flags, None)
+        except OSError as exc:
+            failed.append(f"{point}: {exc.strerror}")
+    return failed
+
+
+def setup_mounts(spec: dict, notes: dict) -> None:
+    """Private /tmp, the interpreter exposed, the rest read-only; on a failure every
+    mount made is undone and ``notes["mount"]`` says why."""
+    made: list[str] = []
+    try:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+        writable = private_tmp(spec["workdir"], spec["limits"]["fsize_bytes"] * 4, made)
+        if spec.get("uid") is not None and spec.get("expose"):
+            notes["exposed"] = expose(spec["expose"], made)
+    except (OSError, SetupError) as exc:
+        for target in reversed(made):
+            with contextlib.suppress(OSError):
+                _call("umount2", target.encode(), MNT_DETACH)
+        notes["mount"] = f"mount setup failed: {exc}"
+        return
+    failed = readonly_rest([*writable, spec["workdir"]])
+    notes["filesystem"] = "read-only except work dir and private /tmp"
+    if failed:
+        notes["filesystem"] += f" (could not remount: {'; '.join(failed[:4])})"
+
+
+def uid_can_run(spec: dict, mount_ok: bool) -> bool:
+    """Whether the unprivileged uid can reach the interpreter (directly or exposed)."""
+    return mount_ok or not any(_blocked_dir(p) for p in spec.get("expose", []))
+
+
+# -- the program ------------------------------------------------------------------------
+
+
+def _count_tasks(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def apply_limits(limits: dict, nproc_shared: bool) -> None:
+    cpu = int(limits["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["as_bytes"], limits["as_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize_bytes"], limits["fsize_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["nofile"], limits["nofile"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    nproc = limits["nproc"]
+    if nproc_shared:  # the uid is shared with other processes: allow this many more
+        nproc += _count_tasks(os.getuid())
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+def drop_all_capabilities() -> None:
+    """Root without a usable unprivileged uid: no capabilities, now or after exec."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _prctl(PR_CAPBSET_DROP, cap)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _call("capset", header, data)
+
+
+def become_user(uid: int | None, gid: int | None) -> None:
+    if uid is None or gid is None:
+        if os.geteuid() == 0:
+            drop_all_capabilities()
+        return
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def run_child(spec: dict, notes: dict, info_fd: int) -> None:
+    """In the forked child: never returns."""
+    try:
+        if notes.get("pid") is True and notes.get("mount") is True:
+            _call("unshare", CLONE_NEWNS)  # own /proc, without changing the launcher's
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        shared = os.geteuid() != 0 and not notes.get("user_namespace") and not spec.get("cgroup")
+        apply_limits(spec["limits"], nproc_shared=shared)
+        become_user(notes.get("uid"), notes.get("gid"))
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.setsid()  # its own session: kill(0, ...) cannot reach the supervisor
+        os.chdir(spec["workdir"])
+        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+    except BaseException as exc:  # report, then die: nothing else may run here
+        msg = json.dumps({"event": "error", "stage": "exec", "message": f"{exc}"}) + "\n"
+        os.write(info_fd, msg.encode())
+    os._exit(126)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            out.append(pid)
+            todo.append(pid)
+    return out
+
+
+def reap_rest() -> None:
+    """Kill and reap every process the program left (all are our descendants)."""
+    me = os.getpid()
+    for _ in range(100_000):
+        pids = _descendants(me)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            os.waitpid(-1, 0 if pids else os.WNOHANG)
+        except ChildProcessError:
+            if not pids:
+                return
+        else:
+            continue
+
+
+def start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])
+
+
+def prepare(spec: dict, notes: dict) -> None:
+    if spec.get("cgroup"):
+        _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec["parent_pid"]:
+        raise SetupError("the sandbox's owner exited before it started")
+    enter_namespaces(spec["namespaces"], notes)
+    missing = [ns for ns in spec.get("require", []) if notes.get(ns) is not True]
+    if missing:
+        raise SetupError(
+            f"required isolation unavailable: {', '.join(f'{ns}: {notes.get(ns)}' for ns in missing)}"
+        )
+    if notes.get("mount") is True:
+        setup_mounts(spec, notes)
+    uid = spec.get("uid")
+    if uid is not None and not uid_can_run(spec, notes.get("mount") is True):
+        notes["uid_refused"] = "interpreter not reachable by an unprivileged uid"
+        uid = None
+        if not spec.get("allow_root"):
+            raise SetupError(
+                "running as root, the interpreter is not reachable for an unprivileged uid and "
+                "no mount namespace is available to expose it: set the sandbox python to an "
+                "interpreter every user can run (e.g. /usr/bin/python3), or allow_root_fallback"
+            )
+        for dirpath, dirnames, filenames in os.walk(spec["workdir"]):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                os.lchown(name, 0, 0)  # root without capabilities must still own its files
+    notes["uid"], notes["gid"] = uid, spec.get("gid") if uid is not None else None
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    info_fd = spec["info_fd"]
+    os.set_inheritable(info_fd, False)  # the program must not hold the supervisor's pipe
+
+    def report(**kw: object) -> None:
+        os.write(info_fd, (json.dumps(kw) + "\n").encode())
+
+    notes: dict = {}
+    try:
+        prepare(spec, notes)
+    except Exception as exc:  # every setup failure is reported, none is fatal here
+        report(event="error", stage="setup", message=f"{type(exc).__name__}: {exc}")
+        return 2
+    forked = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        run_child(spec, notes, info_fd)
+    report(event="started", pid=pid, start_time=start_time(pid), isolation=notes)
+    _, status, usage = os.wait4(pid, 0)
+    run_s = time.monotonic() - forked
+    reap_rest()
+    report(
+        event="exit",
+        code=os.waitstatus_to_exitcode(status),
+        run_s=run_s,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        maxrss_kb=usage.ru_maxrss,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""One run of the local sandbox: prepare → spawn the supervisor → supervise → tear down.
+
+See :mod:`tailcut.tools.sandbox` for what the sandbox guarantees; this module holds the
+mechanics: the run directory, the uid lease and cgroup, the supervisor process and its
+report pipe, the concurrent readers of stdout/stderr, the kill on timeout, overflow or
+cancel, and the classification of how the program ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tailcut.tools.sandbox_procs import TAG_VAR, PidsCgroup, Target, UidLease, terminate
+from tailcut.tools.sandbox_result import (
+    SandboxError,
+    SandboxResult,
+    SandboxStatus,
+    looks_like_memory_error,
+)
+
+if TYPE_CHECKING:
+    from tailcut.tools.sandbox import LocalSandbox
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+_warned: set[str] = set()
+
+
+class _Capture:
+    """Keeps the head of a stream, its last 4 KiB, and counts the rest."""
+
+    def __init__(self, name: str, keep: int, on_chunk: Callable[[str, bytes], None] | None):
+        self.name, self.keep, self.on_chunk = name, keep, on_chunk
+        self.head = bytearray()
+        self.tail = b""
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+        self.tail = (self.tail + chunk)[-4096:]
+        if self.on_chunk is not None:
+            self.on_chunk(self.name, chunk)
+
+    def text(self) -> str:
+        out = self.head.decode("utf-8", errors="replace")
+        if self.total > len(self.head):
+            out += f"\n[... {self.total - len(self.head)} more bytes not shown]"
+        return out
+
+
+def _interpreter_paths(python: str) -> list[str]:
+    real = os.path.realpath(python)
+    paths = {os.path.abspath(python), real, os.path.dirname(os.path.dirname(real))}
+    if os.path.realpath(sys.executable) == real:
+        paths |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
+        paths |= {p for p in sys.path if p and os.path.isabs(p) and os.path.exists(p)}
+    return sorted(os.path.realpath(p) for p in paths)
+
+
+class Run:
+    """One program run: prepare → spawn → supervise → tear down."""
+
+    def __init__(self, box: LocalSandbox, timeout_s: float, on_output: Any):
+        cfg = box.config
+        self.box, self.cfg, self.timeout_s = box, cfg, timeout_s
+        self.tag = secrets.token_hex(8)
+        self.out = _Capture("stdout", cfg.max_output_bytes, on_output)
+        self.err = _Capture("stderr", cfg.max_output_bytes, on_output)
+        self.stop = asyncio.Event()
+        self.reason: str | None = None  # why we killed it: timeout | output
+        self.info: dict[str, Any] = {}
+        self.workdir: Path | None = None
+        self.lease: UidLease | None = None
+        self._info_r: int | None = None
+        self.cgroup: PidsCgroup | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.target: Target | None = None
+        self.killed = False
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    async def execute(self, code: str, stdin: str | None, files: dict[str, bytes]) -> SandboxResult:
+        started = time.monotonic()
+        try:
+            self._prepare(code, files)
+            await self._spawn(stdin is not None)
+            await self._supervise(stdin)
+        finally:
+            await asyncio.shield(self._teardown())
+        return self._result(time.monotonic() - started)
+
+    def _prepare(self, code: str, files: dict[str, bytes]) -> None:
+        root = self.cfg.tmp_dir or tempfile.gettempdir()
+        self.workdir = Path(tempfile.mkdtemp(prefix="tailcut-sbx-", dir=root))
+        (self.workdir / "main.py").write_text(code, encoding="utf-8")
+        for name, data in files.items():
+            path = (self.workdir / name).resolve()
+            if not path.is_relative_to(self.workdir.resolve()) or name == "main.py":
+                raise SandboxError(
+                    f"sandbox file name {name!r} must be a relative path inside the run dir (not main.py)"
+                )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        if os.geteuid() == 0:
+            self.lease = self.box._uids.acquire()
+            for p in [self.workdir, *self.workdir.rglob("*")]:
+                os.chown(p, self.lease.uid, self.lease.uid)
+        else:
+            self.workdir.chmod(0o700)
+        if self.cfg.use_cgroup:
+            self.cgroup = PidsCgroup.create(f"run-{self.tag}", self.cfg.max_processes + 4)
+
+    def _spec(self, info_fd: int) -> dict[str, Any]:
+        cfg = self.cfg
+        python = cfg.python or sys.executable
+        assert self.workdir is not None
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.workdir),
+            "TMPDIR": str(self.workdir),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "MPLBACKEND": "Agg",
+            **cfg.env,
+            TAG_VAR: self.tag,
+        }
+        cpu = cfg.cpu_time_s or self.timeout_s
+        namespaces = ["pid", "mount"] + (["net"] if cfg.isolate_network else [])
+        if not cfg.use_namespaces:
+            namespaces = []
+        return {
+            "workdir": str(self.workdir),
+            "argv": [python, "-I", "-u", "main.py"],
+            "env": env,
+            "uid": self.lease.uid if self.lease else None,
+            "gid": self.lease.uid if self.lease else None,
+            "cgroup": str(self.cgroup.path) if self.cgroup else None,
+            "namespaces": namespaces,
+            "require": ["net"] if cfg.require_network_isolation and cfg.isolate_network else [],
+            "expose": _interpreter_paths(python) if self.lease else [],
+            "limits": {
+                "cpu_s": max(1, math.ceil(cpu)),
+                "as_bytes": cfg.memory_mb * 2**20,
+                "fsize_bytes": cfg.max_file_mb * 2**20,
+                "nofile": cfg.max_open_files,
+                "nproc": cfg.max_processes,
+            },
+            "info_fd": info_fd,
+            "parent_pid": os.getpid(),
+            "allow_root": cfg.allow_root_fallback,
+        }
+
+    async def _spawn(self, with_stdin: bool) -> None:
+        r, w = os.pipe()
+        try:
+            spec = json.dumps(self._spec(w))
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", str(LAUNCHER), spec,
+                stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(w,),
+                start_new_session=True,
+                cwd="/",
+            )  # fmt: skip
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        self.target = Target(self.proc.pid, self.tag, self.lease.uid if self.lease else None,
+                             cgroup=self.cgroup)  # fmt: skip
+        self._info_r = r
+
+    async def _supervise(self, stdin: str | None) -> None:
+        assert self.proc is not None and self.proc.stdout and self.proc.stderr
+        assert self._info_r is not None
+        fd, self._info_r = self._info_r, None
+        info = await _pipe_reader(fd)  # the transport owns the fd from here
+        async with asyncio.TaskGroup() as tg:
+            readers = [
+                tg.create_task(self._pump(self.proc.stdout, self.out)),
+                tg.create_task(self._pump(self.proc.stderr, self.err)),
+                tg.create_task(self._read_info(info)),
+            ]
+            if stdin is not None:
+                tg.create_task(self._feed(stdin))
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self.stop.wait()
+            except TimeoutError:
+                self.reason = "timeout"
+            except BaseException:  # cancelled: kill first, then let it go on
+                await asyncio.shield(self._kill())
+                raise
+            if self.reason or "exit" not in self.info:
+                await self._kill()  # limit hit, setup failed, or the supervisor itself died
+            await _bounded(readers, 2.0)
+
+    async def _teardown(self) -> None:
+        if self.proc is not None:
+            if not self.killed and (self.proc.returncode is None or "exit" not in self.info):
+                await self._kill()
+            try:
+                async with asyncio.timeout(5.0):
+                    await self.proc.wait()  # returns once its pipes are closed too
+            except TimeoutError:
+                log.error("sandbox %s: output pipes still open after the kill", self.tag)
+                self.proc._transport.close()  # type: ignore[attr-defined]
+        if self.cgroup is not None:
+            if self.cgroup.pids() and self.target is not None:  # belt and braces
+                await terminate(dataclasses.replace(self.target, init_pid=None))
+            self.cgroup.remove()
+        if self._info_r is not None:
+            os.close(self._info_r)
+        if self.workdir is not None:
+            _remove_tree(self.workdir)
+        if self.lease is not None:
+            self.lease.release()
+
+    async def _kill(self) -> None:
+        if self.target is not None and not self.killed:
+            self.killed = True
+            await terminate(self.target)
+
+    # -- tasks --------------------------------------------------------------------------
+
+    async def _pump(self, stream: asyncio.StreamReader, cap: _Capture) -> None:
+        while chunk := await stream.read(65536):
+            cap.add(chunk)
+            if self.out.total + self.err.total > self.cfg.kill_output_bytes and not self.reason:
+                self.reason = "output"
+                self.stop.set()
+
+    async def _read_info(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            msg = json.loads(line)
+            self.info[msg.pop("event")] = msg
+            started = self.info.get("started")
+            target = self.target
+            if (
+                started
+                and target
+                and target.init_pid is None
+                and started["isolation"].get("pid") is True
+            ):
+                target.init_pid = started["pid"]
+                target.init_start = started["start_time"]
+            if "error" in self.info:
+                self.stop.set()
+        self.stop.set()  # end of the report: the supervisor has exited
+
+    async def _feed(self, data: str) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.proc.stdin.write(data.encode())
+            await self.proc.stdin.drain()
+        self.proc.stdin.close()
+
+    # -- result -------------------------------------------------------------------------
+
+    def _result(self, duration: float) -> SandboxResult:
+        if "error" in self.info:
+            err = self.info["error"]
+            raise SandboxError(f"sandbox {err['stage']} failed: {err['message']}")
+        if "started" not in self.info and not self.reason:
+            tail = self.err.tail.decode("utf-8", errors="replace")[-1500:]
+            raise SandboxError(f"the sandbox supervisor failed before starting the program: {tail}")
+        exit_info = self.info.get("exit", {})
+        code = exit_info.get("code")
+        if self.reason and code is None:
+            code = -signal.SIGKILL  # we killed it before the supervisor could report
+        status, detail = self._classify(code, exit_info)
+        return SandboxResult(
+            status=status,
+            stdout=self.out.text(),
+            stderr=self.err.text(),
+            exit_code=code,
+            duration_s=duration,
+            detail=detail,
+            run_s=exit_info.get("run_s"),
+            cpu_s=exit_info.get("cpu_s"),
+            max_rss_kb=exit_info.get("maxrss_kb"),
+            stdout_bytes=self.out.total,
+            stderr_bytes=self.err.total,
+            isolation=self._isolation(),
+        )
+
+    def _classify(self, code: int | None, exit_info: dict[str, Any]) -> tuple[SandboxStatus, str]:
+        cfg = self.cfg
+        if self.reason == "timeout":
+            return "timeout", f"wall-clock limit {self.timeout_s:g} s"
+        if self.reason == "output":
+            return "killed", f"output limit {cfg.kill_output_bytes} bytes"
+        if code is None:
+            return "killed", "the sandbox supervisor was killed"
+        cpu_limit = max(1, math.ceil(cfg.cpu_time_s or self.timeout_s))
+        cpu = exit_info.get("cpu_s") or 0.0
+        if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= cpu_limit - 0.05):
+            return "timeout", f"CPU-time limit {cpu_limit} s"
+        if code != 0 and self._memory_evidence(code, exit_info):
+            return "memory", f"memory limit {cfg.memory_mb} MiB"
+        if code < 0:
+            return "killed", f"killed by {signal.Signals(-code).name}"
+        if code != 0:
+            return "error", f"exit code {code}"
+        return "ok", ""
+
+    def _memory_evidence(self, code: int, exit_info: dict[str, Any]) -> bool:
+        if looks_like_memory_error(self.err.tail.decode("utf-8", errors="replace")):
+            return True
+        rss_kb = exit_info.get("maxrss_kb") or 0
+        fatal = {-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS}
+        return code in fatal and rss_kb * 1024 >= 0.8 * self.cfg.memory_mb * 2**20
+
+    def _isolation(self) -> dict[str, str]:
+        notes = self.info.get("started", {}).get("isolation", {})
+        out: dict[str, str] = {}
+        uid = notes.get("uid")
+        if uid is not None:
+            out["user"] = f"uid {uid}"
+        elif os.geteuid() == 0:
+            out["user"] = "root without capabilities: " + notes.get("uid_refused", "no uid")
+        else:
+            out["user"] = f"uid {os.getuid()} (unchanged)"
+        for name, label in (("net", "network"), ("pid", "processes"), ("mount", "mounts")):
+            value = notes.get(name)
+            if not self.cfg.use_namespaces or (name == "net" and not self.cfg.isolate_network):
+                out[label] = "NOT isolated: switched off in the sandbox config"
+            else:
+                out[label] = "namespace" if value is True else f"NOT isolated: {value}"
+        out["filesystem"] = notes.get("filesystem", "shared (no mount namespace)")
+        if self.cgroup is not None:
+            out["process_limit"] = f"pids cgroup ({self.cgroup.path})"
+        else:
+            out["process_limit"] = "RLIMIT_NPROC" + (f" for uid {uid}" if uid is not None else "")
+        for label, value in out.items():
+            if "NOT isolated" in value and label not in _warned:
+                _warned.add(label)
+                log.warning("local sandbox: %s %s", label, value)
+        return out
+
+
+async def _pipe_reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader
+
+
+async def _bounded(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
+    """Wait for ``tasks`` (stream readers) a bounded time, then cancel the rest."""
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a run dir, also parts the program made unreadable."""
+
+    def fix_and_retry(func: Callable[[str], Any], p: str, _exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+
+    shutil.rmtree(path, onerror=fix_and_retry)
