@@ -1,0 +1,302 @@
+"""``tailcut bench``: the rollout benchmark (every cut-off policy, one run, one table)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tailcut.bench.sim_bench import BenchReport
+
+POLICIES_HELP = "wait-all, target-count, over-provision, group-quota, deadline"
+
+
+def bench(
+    engine: Annotated[str, typer.Option(help="sim (simulated) or hf (embedded model).")] = "sim",
+    workload: Annotated[
+        str, typer.Option(help="Named workload: seed-gsm8k, skewed, outlier.")
+    ] = "seed-gsm8k",
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="N requests a step wants (default 1024, or the lengths file's count)."
+        ),
+    ] = None,
+    target_fraction: Annotated[
+        float,
+        typer.Option(min=0.05, max=1.0, help="Kept fraction F (target-count keeps int(N·F))."),
+    ] = 0.9,
+    lengths_file: Annotated[
+        Path | None, typer.Option(help="JSONL of per-request turns (overrides --workload).")
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps.")] = 1,
+    trace_dir: Annotated[
+        Path | None, typer.Option(help="Write each policy's trace to DIR/<policy>/.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    group_size: Annotated[int, typer.Option(min=1, help="GRPO group size.")] = 16,
+    warmup_steps: Annotated[
+        int, typer.Option(min=0, help="Unmeasured steps a learning policy sees first.")
+    ] = 2,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option("--policy", help=f"Policies to run (repeat; default all: {POLICIES_HELP})."),
+    ] = None,
+    overhead: Annotated[bool, typer.Option(help="Measure overhead_us_per_request.")] = True,
+    scale_cut: Annotated[
+        int,
+        typer.Option(min=0, help="Also cut a step with this many requests in flight (0: skip)."),
+    ] = 10_240,
+    decode_a_s: Annotated[
+        float | None, typer.Option(help="Sim: fixed cost a of a decode step (s).")
+    ] = None,
+    decode_c_s: Annotated[
+        float | None, typer.Option(help="Sim: per-sequence cost c of a decode step (s).")
+    ] = None,
+    prefill_s_per_token: Annotated[
+        float | None, typer.Option(help="Sim: prefill cost per prompt token (s).")
+    ] = None,
+    kv_capacity_tokens: Annotated[
+        int | None, typer.Option(help="Sim: KV-cache capacity (tokens).")
+    ] = None,
+    model: Annotated[
+        str, typer.Option(help="hf engine: model directory or 'builtin'.")
+    ] = "builtin",
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(min=1, help="hf: most new tokens per request (lengths heavy-tailed below)."),
+    ] = 256,
+    device: Annotated[str, typer.Option(help="hf: auto, cpu or cuda.")] = "auto",
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="hf: requests in flight (and generate's batch size).")
+    ] = 64,
+    lengths: Annotated[
+        str, typer.Option(help="hf: budget (heavy-tailed, EOS ignored) or eos (the model's own).")
+    ] = "budget",
+    repeats: Annotated[
+        int, typer.Option(min=1, help="hf: alternating engine/generate runs (median ratio).")
+    ] = 1,
+    threads: Annotated[int | None, typer.Option(min=1, help="hf: torch CPU threads.")] = None,
+) -> None:
+    """Benchmark every cut-off policy on one workload against the clairvoyant oracle."""
+    if engine == "hf":
+        _hf(locals())
+        return
+    if engine != "sim":
+        raise typer.BadParameter(f"unknown engine {engine!r}; use sim or hf", param_hint="--engine")
+    from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, build_policy, run_sim_bench
+    from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
+    from tailcut.config import SimEngineConfig
+
+    overrides = {
+        "decode_a_s": decode_a_s,
+        "decode_c_s": decode_c_s,
+        "prefill_s_per_token": prefill_s_per_token,
+        "kv_capacity_tokens": kv_capacity_tokens,
+    }
+    try:
+        engine_cfg = SimEngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+        wl: Workload
+        if lengths_file is not None:
+            lf = LengthsFileWorkload.load(lengths_file)
+            wl, n = lf, requests or lf.size(0)
+        else:
+            wl, n = get_workload(workload, seed), requests or 1024
+        opts = BenchOptions(
+            requests=n,
+            target_fraction=target_fraction,
+            steps=steps,
+            group_size=group_size,
+            warmup_steps=0 if lengths_file is not None else warmup_steps,
+            policies=tuple(policy) if policy else POLICY_NAMES,
+            trace_dir=trace_dir,
+            overhead=overhead,
+            scale_cut=scale_cut,
+        )
+        unknown = sorted(set(opts.policies) - set(POLICY_NAMES))
+        if unknown:
+            raise ValueError(f"unknown policy {', '.join(unknown)}; known: {POLICIES_HELP}")
+        widest = max(build_policy(p, opts).n_launch for p in opts.policies)
+        if lengths_file is not None and widest > lf.size(0):
+            typer.echo(
+                f"note: {lengths_file} holds {lf.size(0)} requests for step 0; policies that "
+                f"launch more (up to {widest}) reuse them in order, as new groups",
+                err=True,
+            )
+        report = run_sim_bench(wl, engine_cfg, opts)
+    except (WorkloadError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if json_out:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        render(report)
+
+
+def _hf(options: dict[str, Any]) -> None:
+    try:
+        from tailcut.bench.hf_bench import run_hf_bench  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise typer.BadParameter(
+            f"the hf benchmark is not available: {exc}", param_hint="--engine"
+        ) from None
+    options.pop("engine")
+    run_hf_bench(**options)
+
+
+def _fmt(value: float | int | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.{digits}f}"
+
+
+def render(report: BenchReport, console: Console | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    if console is None and not con.is_terminal:
+        con = Console(width=170)  # piped or captured: print the full table, not squeezed
+    e = report.engine
+    o = report.options
+    con.print(
+        f"[bold]tailcut bench[/] workload [cyan]{report.workload}[/]  N={o['requests']}  "
+        f"F={o['target_fraction']}  steps={o['steps']}  group={o['group_size']}"
+    )
+    con.print(
+        f"engine sim: τ(b) = a + c·b, a={e['decode_a_s']} s, c={e['decode_c_s']} s, "
+        f"prefill={e['prefill_s_per_token']} s/token, KV={e['kv_capacity_tokens']:,} tokens "
+        f"(block {e['kv_block_size']})"
+    )
+    if report.calibration:
+        con.print(_calibration_table(report.calibration))
+    timing = Table(title="step time (virtual s) — one run, every policy")
+    for col in (
+        "policy",
+        "step_time_s",
+        "oracle_s",
+        "ratio_to_oracle",
+        "bound_s",
+        "kth_completion_s",
+        "samples_per_s",
+        "speedup_vs_wait_all",
+    ):
+        timing.add_column(col, justify="left" if col == "policy" else "right")
+    cut = Table(title="cut (real time of the code under test)")
+    for col in (
+        "policy",
+        "launched",
+        "kept",
+        "completed",
+        "aborted",
+        "failed",
+        "wasted_tokens",
+        "abort_to_idle_ms",
+        "cut_to_settled_ms",
+        "overhead_us_per_request",
+    ):
+        cut.add_column(col, justify="left" if col == "policy" else "right")
+    for r in report.rows:
+        timing.add_row(
+            r.policy,
+            _fmt(r.step_time_s),
+            _fmt(r.oracle_s),
+            _fmt(r.ratio_to_oracle, 3),
+            _fmt(r.bound_s),
+            _fmt(r.kth_completion_s),
+            _fmt(r.samples_per_s),
+            _fmt(r.speedup_vs_wait_all),
+        )
+        cut.add_row(
+            r.policy,
+            _fmt(r.launched),
+            _fmt(r.kept),
+            _fmt(r.completed),
+            _fmt(r.aborted),
+            _fmt(r.failed),
+            _fmt(r.wasted_tokens),
+            _fmt(r.abort_to_idle_ms, 3),
+            _fmt(r.cut_to_settled_ms, 2),
+            _fmt(r.overhead_us_per_request, 1),
+        )
+    con.print(timing)
+    con.print(cut)
+    bad = [r.policy for r in report.rows if r.bound_s > r.oracle_s + 1e-9]
+    if bad:
+        con.print(f"[red]bound_s > oracle_s for {', '.join(bad)}: the bound is wrong[/]")
+    else:
+        con.print("bound_s ≤ oracle_s for every policy")
+    sc = report.scale_cut
+    if sc is not None:
+        con.print(
+            f"cut at scale: {sc.launched:,} launched, {sc.aborted:,} cut in flight "
+            f"({sc.engine_aborted:,} inside the engine): abort_to_idle_ms "
+            f"{_fmt(sc.abort_to_idle_ms, 3)}, cut_to_settled_ms {_fmt(sc.cut_to_settled_ms, 1)}, "
+            f"engine idle after: {sc.engine_idle}"
+        )
+    if int(o["steps"]) > 1:
+        con.print(_steps_table(report))
+
+
+def _calibration_table(calib: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    ours, ref = calib["ours"], calib["reference"]
+    t = Table(
+        title=f"workload calibration: uncut durations of {calib['requests']} requests "
+        "(the reference ran 1024 per worker)"
+    )
+    cols = ("", "mean", "P50", "P90", "P99", "max", "2-turn", "turn mix 1/2/3/4/5", "by turns (s)")
+    for col in cols:
+        t.add_column(col, justify="right")
+
+    def by_turns(d: dict[Any, float]) -> str:
+        return " / ".join(_fmt(d.get(k, d.get(str(k))), 1) for k in range(1, 6))
+
+    def mix(d: dict[Any, float]) -> str:
+        return " / ".join(f"{d.get(k, d.get(str(k), 0.0)):.0%}" for k in range(1, 6))
+
+    share = ref["two_turn_share"]
+    t.add_row(
+        "this run",
+        *(_fmt(ours[k], 1) for k in ("mean_s", "p50_s", "p90_s", "p99_s", "max_s")),
+        f"{ours['two_turn_share']:.0%}",
+        mix(ours["turn_mix"]),
+        by_turns(ours["mean_s_by_turns"]),
+    )
+    t.add_row(
+        "reference",
+        *(_fmt(ref[k], 1) for k in ("mean_s", "p50_s", "p90_s", "p99_s", "max_s")),
+        f"{share[0]:.0%}–{share[1]:.0%}",
+        "-",
+        by_turns(ref["mean_s_by_turns"]),
+    )
+    return t
+
+
+def _steps_table(report: BenchReport) -> Any:
+    from rich.table import Table
+
+    from tailcut.bench.sim_bench import step_time_spread
+
+    steps = sorted({f.step for f in report.steps})
+    t = Table(title="step time by step (virtual s)")
+    t.add_column("policy")
+    for s in steps:
+        t.add_column(f"step {s}", justify="right")
+    t.add_column("longest / median of the others", justify="right")
+    for r in report.rows:
+        figs = [f for f in report.steps if f.policy == r.policy]
+        by_step = {f.step: f.step_time_s for f in figs}
+        t.add_row(r.policy, *(_fmt(by_step.get(s)) for s in steps), _fmt(step_time_spread(figs)))
+    return t

@@ -1,0 +1,401 @@
+"""Workloads for the simulated engine: per-request trajectories of (output tokens, tool s).
+
+A :class:`Trajectory` is what one request of a rollout step does: a prompt, then turns of
+``output_tokens`` generated tokens each followed by a tool call of ``tool_s`` seconds that
+appends ``tool_tokens`` tokens to the context. Workloads come by name (:data:`WORKLOADS`) or
+from a lengths file (JSONL, one request a line)::
+
+    {"step": 0, "group": 3, "turns": [{"output_tokens": 412, "tool_s": 0.8}, ...]}
+
+``step`` (default 0), ``group`` (default: the line's position // group size),
+``prompt_tokens`` and a turn's ``tool_s`` / ``tool_tokens`` are optional.
+
+Generated workloads are deterministic in ``(seed, step)`` and prefix-stable: the first
+``n`` trajectories of a step are the same whether ``n`` or more are asked for, so a policy
+that launches extra requests sees the same first ``n`` as one that does not.
+
+``seed-gsm8k`` is calibrated so that, played through :class:`tailcut.engine.sim.SimEngine`
+with its default parameters at 1024 concurrent requests, request durations match the
+reference GSM8K multi-turn measurement (:data:`REFERENCE`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tailcut.types import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSpec:
+    output_tokens: int
+    """Tokens the policy generates in this turn."""
+    tool_s: float = 0.0
+    """Latency of the tool call after this turn (0: no tool call)."""
+    tool_tokens: int = 0
+    """Tokens the tool's answer adds to the context (loss mask 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    turns: tuple[TurnSpec, ...]
+    group: int = 0
+    prompt_tokens: int = 128
+    step: int = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.turns)
+
+    @property
+    def tool_s(self) -> float:
+        return sum(t.tool_s for t in self.turns)
+
+    @property
+    def max_context(self) -> int:
+        """Prompt plus every generated and tool token: the largest KV reservation."""
+        return self.prompt_tokens + sum(t.output_tokens + t.tool_tokens for t in self.turns)
+
+
+class Workload(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
+        """The first ``n`` requests of ``step`` (groups of ``group_size`` share a prompt)."""
+        ...
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------- reference figures
+
+REFERENCE: dict[str, Any] = {
+    "source": "Qwen2.5-3B, GSM8K multi-turn with a tool, 1024 requests per worker",
+    "mean_s": 19.9,
+    "p50_s": 18.0,
+    "p90_s": 35.7,
+    "p99_s": 51.3,
+    "max_s": 79.4,
+    "two_turn_share": (0.65, 0.85),
+    "mean_s_by_turns": {1: 10.0, 2: 16.0, 3: 28.0, 4: 33.0, 5: 35.0},
+}
+
+
+# ---------------------------------------------------------------- generated workloads
+
+
+@dataclass(frozen=True)
+class TurnMixParams:
+    """Shape of a generated multi-turn workload (see :func:`generate_group`)."""
+
+    turn_mix: tuple[float, ...]
+    """Probability of 1, 2, ... turns."""
+    first_turn_tokens: tuple[float, ...]
+    """Median tokens of the first turn, by number of turns of the trajectory."""
+    later_turn_tokens: tuple[float, ...]
+    """Median tokens of each later turn, by number of turns of the trajectory."""
+    group_sigma: float
+    """Log-normal sigma of a group's (prompt's) difficulty, shared by its members."""
+    request_sigma: float
+    """Log-normal sigma of one request's own length factor."""
+    turn_sigma: float
+    """Log-normal sigma of one turn's length around the request's."""
+    tool_median_s: float
+    tool_sigma: float
+    tool_tokens: int
+    prompt_tokens: int
+    max_turn_tokens: int = 4096
+
+
+SEED_GSM8K = TurnMixParams(
+    turn_mix=(0.03, 0.68, 0.18, 0.07, 0.04),
+    first_turn_tokens=(195.0, 208.0, 285.0, 310.0, 320.0),
+    later_turn_tokens=(0.0, 142.0, 230.0, 205.0, 175.0),
+    group_sigma=0.3,
+    request_sigma=0.45,
+    turn_sigma=0.3,
+    tool_median_s=0.6,
+    tool_sigma=0.6,
+    tool_tokens=24,
+    prompt_tokens=180,
+    max_turn_tokens=1400,
+)
+"""Calibrated against :data:`REFERENCE` with the default ``SimEngineConfig`` at 1024
+concurrent requests (groups of 16): seeds 0-2 give mean 20.2 s, P50 18.1, P90 34.4,
+P99 52.2, max 72.6, 67% two-turn, and 9.5 / 16.3 / 28.0 / 32.9 / 34.6 s by turns."""
+
+
+def generate_group(
+    p: TurnMixParams, rng: np.random.Generator, size: int, group: int, step: int
+) -> list[Trajectory]:
+    """One GRPO group: members share the prompt and its difficulty, not their turns."""
+    difficulty = math.exp(p.group_sigma * rng.standard_normal())
+    mix = np.asarray(p.turn_mix, dtype=float)
+    n_turns = rng.choice(len(mix), size=size, p=mix / mix.sum()) + 1
+    own = np.exp(p.request_sigma * rng.standard_normal(size))
+    per_turn = np.exp(p.turn_sigma * rng.standard_normal((size, len(mix))))
+    tools = p.tool_median_s * np.exp(p.tool_sigma * rng.standard_normal((size, len(mix))))
+    out = []
+    for i in range(size):
+        k = int(n_turns[i])
+        turns = []
+        for j in range(k):
+            median = p.first_turn_tokens[k - 1] if j == 0 else p.later_turn_tokens[k - 1]
+            tokens = median * difficulty * own[i] * per_turn[i, j]
+            last = j == k - 1
+            turns.append(
+                TurnSpec(
+                    output_tokens=int(min(max(round(tokens), 8), p.max_turn_tokens)),
+                    tool_s=0.0 if last else round(float(tools[i, j]), 4),
+                    tool_tokens=0 if last else p.tool_tokens,
+                )
+            )
+        out.append(Trajectory(tuple(turns), group=group, prompt_tokens=p.prompt_tokens, step=step))
+    return out
+
+
+@dataclass(frozen=True)
+class GeneratedWorkload:
+    """A workload drawn group by group from ``params`` (prefix-stable, seeded per group)."""
+
+    name: str
+    params: TurnMixParams
+    seed: int = 0
+    modify: Callable[[int, int, list[Trajectory]], list[Trajectory]] | None = None
+    """Optional per-(step, group) rewrite, e.g. to inject outliers."""
+
+    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
+        if n < 0 or group_size < 1:
+            raise WorkloadError(f"{self.name}: bad request count {n} / group size {group_size}")
+        out: list[Trajectory] = []
+        for g in range(-(-n // group_size)):
+            rng = np.random.default_rng([self.seed, step, g])
+            group = generate_group(self.params, rng, group_size, g, step)
+            if self.modify is not None:
+                group = self.modify(step, g, group)
+            out.extend(group)
+        return out[:n]
+
+
+def _skew(step: int, group: int, trajs: list[Trajectory]) -> list[Trajectory]:
+    """Every 4th group is a hard prompt: all its turns are 3× longer."""
+    if group % 4:
+        return trajs
+    return [
+        Trajectory(
+            tuple(TurnSpec(3 * u.output_tokens, u.tool_s, u.tool_tokens) for u in t.turns),
+            t.group,
+            t.prompt_tokens,
+            t.step,
+        )
+        for t in trajs
+    ]
+
+
+def _outlier_every(period: int, hang_s: float, share: float) -> Callable[..., list[Trajectory]]:
+    """Every ``period``-th step (step % period == period - 1), about ``share`` of the
+    requests wait ``hang_s`` seconds on a stuck tool call (the outlier step of the
+    reference: most requests back early, nothing else for minutes)."""
+
+    def modify(step: int, group: int, trajs: list[Trajectory]) -> list[Trajectory]:
+        if step % period != period - 1:
+            return trajs
+        out = []
+        for i, t in enumerate(trajs):
+            h = (group * 7919 + i * 104729 + step) % 1000
+            if h >= share * 1000 or len(t.turns) < 2:
+                out.append(t)
+                continue
+            first = t.turns[0]
+            stuck = TurnSpec(first.output_tokens, first.tool_s + hang_s, first.tool_tokens)
+            out.append(Trajectory((stuck, *t.turns[1:]), t.group, t.prompt_tokens, t.step))
+        return out
+
+    return modify
+
+
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "seed-gsm8k": lambda seed: GeneratedWorkload("seed-gsm8k", SEED_GSM8K, seed),
+    "skewed": lambda seed: GeneratedWorkload("skewed", SEED_GSM8K, seed, _skew),
+    "outlier": lambda seed: GeneratedWorkload(
+        "outlier", SEED_GSM8K, seed, _outlier_every(4, 150.0, 0.24)
+    ),
+}
+"""Named workloads. ``skewed``: a quarter of the prompts are 3× harder (per-group
+difficulty). ``outlier``: seed-gsm8k, but every 4th step a quarter of the requests hang
+150 s in a tool call."""
+
+
+def get_workload(name: str, seed: int = 0) -> Workload:
+    try:
+        return WORKLOADS[name](seed)
+    except KeyError:
+        raise WorkloadError(
+            f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
+        ) from None
+
+
+# ---------------------------------------------------------------- lengths files
+
+_TOP_KEYS = {"step", "group", "prompt_tokens", "turns"}
+_TURN_KEYS = {"output_tokens", "tool_s", "tool_tokens"}
+
+
+def _num(where: str, key: str, value: object, kind: type, lo: float) -> Any:
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if not ok or isinstance(value, bool):
+        what = "an integer" if kind is int else "a number"
+        raise WorkloadError(f"{where}: {key!r} must be {what} >= {lo:g}, got {value!r}")
+    number = float(value)  # type: ignore[arg-type]  # checked just above
+    if number < lo or not math.isfinite(number):
+        raise WorkloadError(f"{where}: {key!r} must be a finite number >= {lo:g}, got {value!r}")
+    return kind(value)
+
+
+def _parse_turn(where: str, k: int, raw: object) -> TurnSpec:
+    where = f"{where}: turns[{k}]"
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{where}: must be an object, got {type(raw).__name__}")
+    unknown = raw.keys() - _TURN_KEYS
+    if unknown:
+        raise WorkloadError(
+            f"{where}: unknown key(s) {sorted(unknown)}; allowed {sorted(_TURN_KEYS)}"
+        )
+    if "output_tokens" not in raw:
+        raise WorkloadError(f"{where}: 'output_tokens' is missing")
+    return TurnSpec(
+        output_tokens=_num(where, "output_tokens", raw["output_tokens"], int, 0),
+        tool_s=_num(where, "tool_s", raw.get("tool_s", 0.0), float, 0),
+        tool_tokens=_num(where, "tool_tokens", raw.get("tool_tokens", 0), int, 0),
+    )
+
+
+def parse_lengths_line(line: str, where: str) -> tuple[int, int | None, Trajectory]:
+    """One JSONL line -> (step, group or None, trajectory); errors name ``where``."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{where}: each line must be a JSON object, got {type(raw).__name__}")
+    unknown = raw.keys() - _TOP_KEYS
+    if unknown:
+        raise WorkloadError(
+            f"{where}: unknown key(s) {sorted(unknown)}; allowed {sorted(_TOP_KEYS)}"
+        )
+    turns = raw.get("turns")
+    if not isinstance(turns, list) or not turns:
+        raise WorkloadError(f"{where}: 'turns' must be a non-empty list of turn objects")
+    step = _num(where, "step", raw.get("step", 0), int, 0)
+    group = None if "group" not in raw else _num(where, "group", raw["group"], int, 0)
+    prompt = _num(where, "prompt_tokens", raw.get("prompt_tokens", 128), int, 1)
+    specs = tuple(_parse_turn(where, k, t) for k, t in enumerate(turns))
+    return step, group, Trajectory(specs, group=group or 0, prompt_tokens=prompt, step=step)
+
+
+def read_lengths_file(path: Path) -> dict[int, list[tuple[int | None, Trajectory]]]:
+    """Requests of a lengths file by step, in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"lengths file {path} does not exist")
+    steps: dict[int, list[tuple[int | None, Trajectory]]] = {}
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            step, group, traj = parse_lengths_line(line, f"{path}:{lineno}")
+            steps.setdefault(step, []).append((group, traj))
+    if not steps:
+        raise WorkloadError(f"lengths file {path} holds no requests")
+    return steps
+
+
+@dataclass(frozen=True)
+class LengthsFileWorkload:
+    """Trajectories read from a lengths file. Asking for more requests than a step holds
+    (:meth:`size`) reuses its requests in order, as new groups."""
+
+    path: Path
+    steps: dict[int, list[tuple[int | None, Trajectory]]]
+
+    @property
+    def name(self) -> str:
+        return f"file:{self.path.name}"
+
+    @classmethod
+    def load(cls, path: Path) -> LengthsFileWorkload:
+        return cls(Path(path), read_lengths_file(path))
+
+    def size(self, step: int) -> int:
+        return len(self._step(step))
+
+    def _step(self, step: int) -> list[tuple[int | None, Trajectory]]:
+        if step not in self.steps:
+            raise WorkloadError(
+                f"lengths file {self.path} has no requests for step {step} "
+                f"(steps present: {sorted(self.steps)})"
+            )
+        return self.steps[step]
+
+    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
+        rows = self._step(step)
+        explicit = [g for g, _ in rows if g is not None]
+        first_new = max(explicit) + 1 if explicit else -(-len(rows) // group_size)
+        out = []
+        for i in range(n):
+            group, t = rows[i % len(rows)]
+            if i >= len(rows):  # reused: a new group of its own
+                g = first_new + (i - len(rows)) // group_size
+            else:
+                g = i // group_size if group is None else group
+            out.append(Trajectory(t.turns, group=g, prompt_tokens=t.prompt_tokens, step=step))
+        return out
+
+
+def write_lengths_file(path: Path, trajectories: Sequence[Trajectory]) -> None:
+    """Write trajectories in the lengths-file format (round-trips with the reader)."""
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for t in trajectories:
+            turns = [
+                {"output_tokens": u.output_tokens, "tool_s": u.tool_s, "tool_tokens": u.tool_tokens}
+                for u in t.turns
+            ]
+            row = {"step": t.step, "group": t.group, "prompt_tokens": t.prompt_tokens}
+            fh.write(json.dumps({**row, "turns": turns}) + "\n")
+
+
+# ---------------------------------------------------------------- samples
+
+
+def make_samples(trajectories: Sequence[Trajectory]) -> list[Sample]:
+    """Samples in launch order, each carrying its trajectory in ``data["trajectory"]``."""
+    return [
+        Sample(
+            index=i,
+            group=t.group,
+            prompt_ids=[1 + (t.group % 997)] * t.prompt_tokens,
+            data={"trajectory": t},
+        )
+        for i, t in enumerate(trajectories)
+    ]
+
+
+def iter_durations_summary(durations: Sequence[float]) -> Iterator[tuple[str, float]]:
+    """(label, value) pairs: mean, P50, P90, P99, max of ``durations`` (seconds)."""
+    if not durations:
+        return
+    arr = np.asarray(durations, dtype=float)
+    yield "mean_s", float(arr.mean())
+    for q in (50, 90, 99):
+        yield f"p{q}_s", float(np.percentile(arr, q))
+    yield "max_s", float(arr.max())

@@ -1,0 +1,512 @@
+"""A simulated continuous-batching engine on the event loop's clock.
+
+The model, per decode step: every running sequence gains one token and the step takes
+``τ(b) = a + c·b`` seconds for ``b`` running sequences, plus ``prefill_s_per_token`` times
+the prompt tokens of the sequences admitted at the start of that step. Admission reserves
+``prompt + max_new_tokens`` tokens of KV cache (first come, first served; a request that
+does not fit waits); an abort frees its reservation at once and the batch shrinks at the
+next step boundary. A request ends after ``max_new_tokens`` tokens (``ignore_eos``) or at
+the stop position given by ``stop_after``.
+
+It is event-driven: between two events (a sequence finishing, a request arriving, an
+abort) the batch is constant, so the engine computes where the next event falls and sets
+one timer for it — never one Python iteration per token. On
+:class:`tailcut.vtime.VirtualTimeLoop` an 80 s step with thousands of requests simulates in
+a fraction of a second of real time and tests can assert exact times; on an ordinary loop
+it runs in real time.
+
+It records every abort (:attr:`SimEngine.abort_log`), the tokens aborted requests had
+generated (wasted tokens) and any token generated for a request after an abort reached the
+engine (``tokens_after_abort``, 0 unless an abort was lost). :class:`SimFaults` injects
+lost aborts, requests that never finish and an engine that dies at a given time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from itertools import repeat
+
+from tailcut.config import SimEngineConfig
+from tailcut.engine.base import BaseEngine, EngineDied, EngineError, EngineStats
+from tailcut.engine.sim_faults import AbortEffect, AbortRecord, Select, SimFaults
+from tailcut.types import FinishReason, GenerateRequest, GenerateResult
+
+__all__ = ["AbortEffect", "AbortRecord", "Select", "SimEngine", "SimFaults"]
+
+NEVER = 1 << 62
+"""Finish step of a request that never finishes."""
+
+_TOKEN_BASE = 1000
+_PATTERN = list(range(_TOKEN_BASE, _TOKEN_BASE + 4096))
+
+
+def _token_ids(n: int) -> list[int]:
+    """``n`` placeholder token ids (the simulated engine samples no real text)."""
+    if n <= len(_PATTERN):
+        return _PATTERN[:n]
+    reps = -(-n // len(_PATTERN))
+    return (_PATTERN * reps)[:n]
+
+
+class _State(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    req: GenerateRequest
+    fut: asyncio.Future[GenerateResult]
+    n: int
+    reserve: int
+    blocks: int
+    ordinal: int
+    stop: bool
+    hang: bool
+    lose_left: int
+    state: _State = _State.WAITING
+    start: int = -1
+    finish: int = NEVER
+    lost_abort_step: int | None = None
+
+
+class SimEngine(BaseEngine):
+    """Simulated continuous-batching server (see the module docstring for the model)."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        config: SimEngineConfig | None = None,
+        faults: SimFaults | None = None,
+        *,
+        stop_after: Callable[[GenerateRequest], int | None] | None = None,
+    ) -> None:
+        self.config = config or SimEngineConfig()
+        self.faults = faults or SimFaults()
+        self.stop_after = stop_after
+        """Where a request without ``ignore_eos`` emits its stop token (None: never)."""
+        self.weight_version = 0
+        """Stamped on every result (a trainer bumps it when it loads new weights)."""
+        self._faulty = self.faults.hang.active or self.faults.lose_aborts.active
+        self._block = self.config.kv_block_size
+        self._abort_rows: list[tuple[str, float, AbortEffect, int]] = []
+        self._to_deliver: list[tuple[_Seq, int]] = []
+        self._deliver_handle: asyncio.Handle | None = None
+        self.completed = 0
+        self._aborted = 0
+        self._wasted = 0
+        # Batched aborts not yet accounted per request: (time, step, ids, requests stopped).
+        self._batches: list[tuple[float, int, Sequence[str], list[_Seq]]] = []
+        self.decode_steps = 0
+        self.events = 0
+        """Step boundaries the engine processed (event-driven: far fewer than tokens)."""
+        self._tokens_after_abort = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
+        self._live: dict[str, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._n_waiting = 0
+        self._n_running = 0
+        self._heap: list[tuple[int, int, _Seq]] = []
+        self._kv_used = 0
+        self._blocks_used = 0
+        self._arrivals = 0
+        # The current segment: constant batch from step ``_s0`` at time ``_t0``.
+        self._s0 = 0
+        self._t0 = 0.0
+        self._pf = 0.0
+        self._tau = 0.0
+        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._timer_step: int | None = None
+        self._timer_at: float | None = None
+        self._death: asyncio.TimerHandle | None = None
+
+    # ----------------------------------------------------------------- public API
+
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
+        loop = self._loop or self._start()
+        if self._dead is not None:
+            self._check_alive()
+        seq = self._new_seq(request, loop)
+        if seq.n == 0:
+            return self._result(seq, 0, FinishReason.LENGTH)
+        self._catch_up()
+        self._live[request.request_id] = seq
+        self._waiting.append(seq)
+        self._n_waiting += 1
+        self._wake()
+        return await seq.fut
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop the requests now (KV freed, gone from ``in_flight``); their callers get the
+        ``abort`` results with the tokens so far on the loop's next turn."""
+        loop = self._start()
+        self._check_alive()
+        self._catch_up()
+        now = self._now()
+        step = self._steps_done(now)
+        if self.faults.lose_aborts.active:
+            request_ids = self._lose_some(request_ids, now, step)
+        if self._abort_batch(request_ids, now, step):
+            if self._n_running == 0:  # the batch emptied mid-segment: the clock stops here
+                self._s0 = max(self._s0, step)
+            if self._deliver_handle is None:
+                self._deliver_handle = loop.call_soon(self._deliver)
+            self._wake()
+
+    async def in_flight(self) -> list[str]:
+        self._start()
+        self._check_alive()
+        self._catch_up()
+        return list(self._live)
+
+    async def stats(self) -> EngineStats:
+        if self._loop is not None and self._dead is None:
+            self._catch_up()
+        return EngineStats(
+            running=self._n_running,
+            waiting=self._n_waiting,
+            aborted=self.aborted,
+            wasted_tokens=self.wasted_tokens,
+            tokens_after_abort=self.tokens_after_abort,
+            kv_blocks_in_use=self._blocks_used,
+            kv_blocks_total=self.config.kv_capacity_tokens // self.config.kv_block_size,
+        )
+
+    async def aclose(self) -> None:
+        if self._deliver_handle is not None:
+            self._deliver_handle.cancel()
+            self._deliver()
+        self._cancel_timer()
+        if self._death is not None:
+            self._death.cancel()
+            self._death = None
+
+    @property
+    def abort_log(self) -> list[AbortRecord]:
+        """Every abort the engine received, one record per request id, in order."""
+        self._flush()
+        return [AbortRecord(*row) for row in self._abort_rows]
+
+    @property
+    def aborted(self) -> int:
+        """Requests stopped by an abort."""
+        self._flush()
+        return self._aborted
+
+    @property
+    def wasted_tokens(self) -> int:
+        """Tokens the aborted requests had generated."""
+        self._flush()
+        return self._wasted
+
+    @property
+    def tokens_after_abort(self) -> int:
+        """Tokens generated for requests after an abort for them reached the engine."""
+        live = 0
+        if self._live:
+            step = self._steps_done(self._now())
+            for seq in self._live.values():
+                if seq.lost_abort_step is not None:
+                    live += self._tokens(seq, step) - self._tokens(seq, seq.lost_abort_step)
+        return self._tokens_after_abort + live
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    def kill(self, reason: str = "killed") -> None:
+        """The engine dies now: every pending request raises :class:`EngineDied`."""
+        self._die(reason)
+
+    # ------------------------------------------------------------- request intake
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._t0 = self._loop.time()
+            if self.faults.die_at_s is not None:
+                at = self._t0 + self.faults.die_at_s
+                self._death = self._loop.call_at(at, self._die, f"died at t={at:.3f}s")
+        return self._loop
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDied(f"sim engine is dead ({self._dead})")
+
+    def _new_seq(self, request: GenerateRequest, loop: asyncio.AbstractEventLoop) -> _Seq:
+        rid = request.request_id
+        if rid in self._live:
+            raise EngineError(f"sim engine: request id {rid} is already in flight")
+        sp = request.sampling
+        n, stop = sp.max_new_tokens, False
+        if not sp.ignore_eos and self.stop_after is not None:
+            at = self.stop_after(request)
+            if at is not None and 0 < at < n:
+                n, stop = at, True
+        reserve = len(request.prompt_ids) + sp.max_new_tokens
+        if reserve > self.config.kv_capacity_tokens:
+            raise EngineError(
+                f"sim engine: request {rid} needs {reserve} KV tokens (prompt "
+                f"{len(request.prompt_ids)} + max_new_tokens {sp.max_new_tokens}) but the "
+                f"capacity is {self.config.kv_capacity_tokens}"
+            )
+        ordinal = self._arrivals
+        self._arrivals += 1
+        hang = lose = False
+        if self._faulty:
+            f = self.faults
+            hang = f.hang.active and f.hang(request, ordinal)
+            lose = f.lose_aborts.active and f.lose_aborts(request, ordinal)
+        return _Seq(
+            request,
+            loop.create_future(),
+            n,
+            reserve,
+            -(-reserve // self._block),
+            ordinal,
+            stop,
+            hang,
+            self.faults.lose_abort_attempts if lose else 0,
+        )
+
+    def _lose_some(self, request_ids: Sequence[str], now: float, step: int) -> list[str]:
+        """Drop the abort attempts the faults lose (logged as lost); return the others."""
+        self._flush()  # keep the log in arrival order
+        kept = []
+        for rid in request_ids:
+            seq = self._live.get(rid)
+            if seq is None or seq.lose_left <= 0:
+                kept.append(rid)
+                continue
+            seq.lose_left -= 1
+            running = seq.state is _State.RUNNING
+            if seq.lost_abort_step is None:
+                seq.lost_abort_step = step if running else -1
+            tokens = min(step - seq.start, seq.n) if running else 0
+            self._abort_rows.append((rid, now, AbortEffect.LOST, tokens))
+        return kept
+
+    def _abort_batch(self, request_ids: Sequence[str], now: float, step: int) -> bool:
+        """Stop every request at once (bulk operations only); the per-request bookkeeping
+        waits for :meth:`_flush`, off the caller's critical path."""
+        live = self._live
+        found = [seq for seq in map(live.pop, request_ids, repeat(None)) if seq is not None]
+        if found:
+            running = [seq for seq in found if seq.state is _State.RUNNING]
+            self._n_running -= len(running)
+            self._n_waiting -= len(found) - len(running)
+            self._kv_used -= sum(seq.reserve for seq in running)
+            self._blocks_used -= sum(seq.blocks for seq in running)
+            for seq in found:
+                seq.state = _State.DONE
+        self._batches.append((now, step, tuple(request_ids), found))
+        return bool(found)
+
+    def _flush(self) -> None:
+        """Account the batched aborts per request (log, wasted tokens, results to deliver)."""
+        batches, self._batches = self._batches, []
+        rows = self._abort_rows
+        for now, step, ids, found in batches:
+            stopped = {}
+            for seq in found:
+                tokens = min(step - seq.start, seq.n) if seq.start >= 0 else 0
+                stopped[seq.req.request_id] = tokens
+                self._to_deliver.append((seq, tokens))
+                lost = seq.lost_abort_step
+                if lost is not None and lost >= 0:  # generated since an abort was lost
+                    self._tokens_after_abort += tokens - min(max(lost - seq.start, 0), seq.n)
+            self._aborted += len(found)
+            self._wasted += sum(stopped.values())
+            for rid in ids:
+                tokens_or_none = stopped.pop(rid, None)
+                if tokens_or_none is None:
+                    rows.append((rid, now, AbortEffect.NOT_RUNNING, 0))
+                else:
+                    rows.append((rid, now, AbortEffect.ABORTED, tokens_or_none))
+
+    def _deliver(self) -> None:
+        self._deliver_handle = None
+        self._flush()
+        items, self._to_deliver = self._to_deliver, []
+        for seq, tokens in items:
+            if not seq.fut.done():
+                seq.fut.set_result(self._result(seq, tokens, FinishReason.ABORT))
+
+    # --------------------------------------------------------------- the clock
+
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _steps_done(self, t: float) -> int:
+        """Absolute decode steps completed at time ``t`` (within the current segment)."""
+        if self._n_running == 0:
+            return self._s0
+        if self._tau > 0:
+            k = math.floor((t - self._t0 - self._pf) / self._tau + 1e-9)
+        else:
+            k = NEVER if t >= self._t0 + self._pf else 0
+        if self._timer_step is not None:
+            k = min(k, self._timer_step - self._s0 - 1)
+        return self._s0 + max(k, 0)
+
+    def _step_time(self, step: int) -> float:
+        return self._t0 + self._pf + (step - self._s0) * self._tau
+
+    def _boundary_time(self, step: int) -> float:
+        """When absolute step ``step`` ends (the segment's start for its first step)."""
+        return self._t0 if step == self._s0 else self._step_time(step)
+
+    def _tokens(self, seq: _Seq, step: int) -> int:
+        if seq.state is not _State.RUNNING or step < seq.start:
+            return 0
+        return min(step - seq.start, seq.n)
+
+    def _catch_up(self) -> None:
+        """Process every step boundary that is due (a late timer, or several at one time)."""
+        now = self._now()
+        while self._timer_step is not None and self._timer_at is not None and now >= self._timer_at:
+            step, at = self._timer_step, self._timer_at
+            self._cancel_timer()
+            self._boundary(step, at)
+
+    def _wake(self) -> None:
+        """The batch must change: at the next step boundary, or right away when idle."""
+        assert self._loop is not None
+        if self._n_running == 0:
+            if self._timer is not None and self._timer_step is None:
+                return  # an idle wake-up is already due: same-tick arrivals join it
+            self._cancel_timer()
+            self._timer_at = self._now()
+            self._timer = self._loop.call_soon(self._fire)
+            return
+        now = self._now()
+        done = self._steps_done(now)
+        # Exactly at a step boundary the change applies there; mid-step, at the step's end.
+        nxt = done if now <= self._boundary_time(done) + 1e-9 else done + 1
+        if self._timer_step is None or nxt < self._timer_step:
+            self._set_timer(nxt)
+
+    def _set_timer(self, step: int) -> None:
+        assert self._loop is not None
+        self._cancel_timer()
+        at = self._boundary_time(step)
+        self._timer_step, self._timer_at = step, at
+        self._timer = self._loop.call_at(at, self._fire)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_step = self._timer_at = None
+
+    def _fire(self) -> None:
+        step, at = self._timer_step, self._timer_at
+        self._timer = self._timer_step = self._timer_at = None
+        self._boundary(step, at if at is not None else self._now())
+
+    # ------------------------------------------------------------ the batch
+
+    def _boundary(self, step: int | None, at: float) -> None:
+        """Close the segment at ``step`` (None: the engine was idle), finish due sequences,
+        admit waiting ones and start the next segment."""
+        self.events += 1
+        s = self._s0 if step is None else step
+        heap = self._heap
+        while heap and heap[0][0] <= s:
+            _, _, seq = heapq.heappop(heap)
+            if seq.state is _State.RUNNING:
+                self.completed += 1
+                self._end(seq, seq.n, FinishReason.STOP if seq.stop else FinishReason.LENGTH)
+        prompt_tokens = self._admit(s)
+        self.decode_steps = max(self.decode_steps, s)
+        cfg = self.config
+        # A second change at the boundary the segment began at adds to its first step.
+        again = step is not None and s == self._s0 and at == self._t0
+        self._s0, self._t0 = s, at
+        self._pf = (self._pf if again else 0.0) + cfg.prefill_s_per_token * prompt_tokens
+        self._tau = cfg.decode_a_s + cfg.decode_c_s * self._n_running
+        while heap and heap[0][2].state is not _State.RUNNING:
+            heapq.heappop(heap)
+        if heap and heap[0][0] < NEVER:
+            self._set_timer(heap[0][0])
+
+    def _admit(self, step: int) -> int:
+        cap = self.config.kv_capacity_tokens
+        waiting = self._waiting
+        prompt_tokens = 0
+        while waiting:
+            seq = waiting[0]
+            if seq.state is not _State.WAITING:
+                waiting.popleft()
+                continue
+            if self._kv_used + seq.reserve > cap:
+                break
+            waiting.popleft()
+            self._n_waiting -= 1
+            self._n_running += 1
+            self._kv_used += seq.reserve
+            self._blocks_used += seq.blocks
+            seq.state, seq.start = _State.RUNNING, step
+            seq.finish = NEVER if seq.hang else step + seq.n
+            if seq.lost_abort_step == -1:  # its abort was lost while it waited
+                seq.lost_abort_step = step
+            prompt_tokens += len(seq.req.prompt_ids)
+            heapq.heappush(self._heap, (seq.finish, seq.ordinal, seq))
+        return prompt_tokens
+
+    def _end(self, seq: _Seq, tokens: int, reason: FinishReason) -> None:
+        """A running request finished: free its batch slot and KV cache, resolve its caller."""
+        if seq.lost_abort_step is not None and seq.lost_abort_step >= 0:
+            self._tokens_after_abort += tokens - self._tokens(seq, seq.lost_abort_step)
+        self._n_running -= 1
+        self._kv_used -= seq.reserve
+        self._blocks_used -= seq.blocks
+        seq.state = _State.DONE
+        del self._live[seq.req.request_id]
+        if not seq.fut.done():
+            seq.fut.set_result(self._result(seq, tokens, reason))
+
+    def _result(self, seq: _Seq, tokens: int, reason: FinishReason) -> GenerateResult:
+        ids = _token_ids(tokens)
+        if reason is FinishReason.STOP and tokens:
+            stop_ids = seq.req.sampling.stop_token_ids
+            ids[-1] = stop_ids[0] if stop_ids else 0
+        return GenerateResult(
+            request_id=seq.req.request_id,
+            output_ids=ids,
+            finish_reason=reason,
+            logprobs=[-1.0] * tokens,
+            weight_version=self.weight_version,
+            prompt_tokens=len(seq.req.prompt_ids),
+        )
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        if self._loop is not None:
+            self._catch_up()
+        self._dead = reason
+        self._cancel_timer()
+        if self._death is not None:
+            self._death.cancel()
+            self._death = None
+        live = list(self._live.values())
+        self._live.clear()
+        self._waiting.clear()
+        self._heap.clear()
+        self._n_running = self._n_waiting = self._kv_used = self._blocks_used = 0
+        for seq in live:
+            seq.state = _State.DONE
+            if not seq.fut.done():
+                seq.fut.set_exception(
+                    EngineDied(f"sim engine {reason}; request {seq.req.request_id} lost")
+                )

@@ -1,0 +1,147 @@
+"""A rollout fn that plays a workload trajectory instead of running a model and tools.
+
+Per turn: one ``engine.generate`` of exactly the scripted number of tokens
+(``ignore_eos``), then, if the turn has a tool call, ``await asyncio.sleep(tool_s)`` for the
+tool and its answer appended to the context (loss mask 0). It keeps the sample's token
+layout (``response_ids`` / ``loss_mask`` / ``logprobs`` / ``versions``), sets
+``active_request_id`` while it waits on the engine and emits the turn events. An abort
+result ends the trajectory with ``FinishReason.ABORT`` and its partial tokens; a
+cancellation (the step was cut while the tool ran) is traced and re-raised.
+
+The trajectory comes from ``sample.data["trajectory"]`` (see ``tailcut.bench.workloads``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+
+from tailcut.engine.base import Engine
+from tailcut.trace.events import EventKind, Tracer
+from tailcut.types import (
+    REQUEST_ID_LEN,
+    FinishReason,
+    GenerateRequest,
+    Sample,
+    SamplingParams,
+    Turn,
+)
+
+TOOL_NAME = "scripted_tool"
+TOOL_TOKEN = 7
+"""Placeholder id of the tokens a scripted tool answer adds to the context."""
+
+
+class ScriptedRollout:
+    """Plays ``sample.data["trajectory"]`` against ``engine`` (a :class:`RolloutFn`)."""
+
+    def __init__(self, *, temperature: float = 1.0) -> None:
+        self.temperature = temperature
+        # Ids: a random prefix per instance and a counter (cheaper than fresh randomness),
+        # fixed length like every tailcut id.
+        self._id_prefix = f"sr{secrets.token_hex(3)}-"
+        self._id_width = REQUEST_ID_LEN - len(self._id_prefix)
+        self._ids = itertools.count()
+        self._params: dict[int, SamplingParams] = {}
+
+    def _request_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):0{self._id_width}d}"
+
+    def _sampling(self, n: int) -> SamplingParams:
+        params = self._params.get(n)
+        if params is None:
+            params = SamplingParams(temperature=self.temperature, max_new_tokens=n, ignore_eos=True)
+            self._params[n] = params
+        return params
+
+    async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None:
+        trajectory = sample.data.get("trajectory")
+        turns = getattr(trajectory, "turns", None)
+        if not turns:
+            raise ValueError(
+                f"sample {sample.index}: data['trajectory'] must be a workload Trajectory "
+                f"with at least one turn, got {trajectory!r}"
+            )
+        loop = asyncio.get_running_loop()
+        workid = sample.workid
+        for k, spec in enumerate(turns):
+            t_turn = loop.time()
+            tracer.emit(EventKind.TURN_START, workid, turn=k)
+            turn = await self._generate(sample, engine, tracer, k, spec.output_tokens)
+            if turn.finish_reason is FinishReason.ABORT:
+                sample.finish_reason = FinishReason.ABORT
+                tracer.emit(EventKind.TURN_END, workid, loop.time() - t_turn, turn=k)
+                return
+            if spec.tool_s > 0 or spec.tool_tokens > 0:
+                await self._tool(sample, tracer, turn, spec.tool_s, spec.tool_tokens)
+            tracer.emit(EventKind.TURN_END, workid, loop.time() - t_turn, turn=k)
+        sample.finish_reason = FinishReason.STOP
+
+    async def _generate(
+        self, sample: Sample, engine: Engine, tracer: Tracer, k: int, n: int
+    ) -> Turn:
+        loop = asyncio.get_running_loop()
+        rid = self._request_id()
+        prompt = sample.prompt_ids + sample.response_ids
+        turn = Turn(index=k, request_id=rid, prompt_tokens=len(prompt))
+        sample.turns.append(turn)
+        request = GenerateRequest(rid, prompt, self._sampling(n))
+        t0 = loop.time()
+        sample.active_request_id = rid
+        try:
+            result = await engine.generate(request)
+        finally:
+            sample.active_request_id = None
+            turn.engine_s = loop.time() - t0
+        out = len(result.output_ids)
+        turn.output_tokens = out
+        turn.finish_reason = result.finish_reason
+        turn.weight_version = result.weight_version
+        sample.response_ids += result.output_ids
+        sample.loss_mask += [1] * out
+        sample.logprobs += result.logprobs if result.logprobs is not None else [0.0] * out
+        sample.versions += [result.weight_version] * out
+        tracer.emit(
+            EventKind.TURN_ENGINE_CALL,
+            sample.workid,
+            turn.engine_s,
+            turn=k,
+            request_id=rid,
+            output_tokens=out,
+            finish_reason=result.finish_reason.value,
+        )
+        return turn
+
+    async def _tool(
+        self, sample: Sample, tracer: Tracer, turn: Turn, tool_s: float, tool_tokens: int
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        turn.tool_calls += 1
+        try:
+            await asyncio.sleep(tool_s)
+        except asyncio.CancelledError:
+            turn.tool_s = loop.time() - t0
+            tracer.emit(
+                EventKind.TOOL_CALL,
+                sample.workid,
+                turn.tool_s,
+                turn=turn.index,
+                name=TOOL_NAME,
+                status="cancelled",
+            )
+            raise
+        turn.tool_s = loop.time() - t0
+        sample.response_ids += [TOOL_TOKEN] * tool_tokens
+        sample.loss_mask += [0] * tool_tokens
+        sample.logprobs += [0.0] * tool_tokens
+        sample.versions += [-1] * tool_tokens
+        tracer.emit(
+            EventKind.TOOL_CALL,
+            sample.workid,
+            turn.tool_s,
+            turn=turn.index,
+            name=TOOL_NAME,
+            status="ok",
+        )
