@@ -119,9 +119,9 @@ class CutoffConfig(_Model):
     """deadline: fixed deadline in seconds (None = learned)."""
     min_fraction: float = Field(0.7, ge=0.0, le=1.0)
     """deadline: never cut before this fraction of launched requests is done."""
-    quantile: float = Field(0.9, gt=0.0, le=1.0)
+    quantile: float = Field(0.5, gt=0.0, le=1.0)
     """deadline (learned): quantile of recent steps' completion times."""
-    slack: float = Field(0.25, ge=0.0, le=10.0)
+    slack: float = Field(0.3, ge=0.0, le=10.0)
     """deadline (learned): the deadline is the quantile times (1 + slack)."""
     history: int = Field(8, ge=1, le=1000)
     """deadline (learned): how many recent steps to learn from."""

@@ -207,8 +207,8 @@ class Deadline(CutoffPolicy):
         *,
         deadline_s: float | None = None,
         min_fraction: float = 0.7,
-        quantile: float = 0.9,
-        slack: float = 0.25,
+        quantile: float = 0.5,
+        slack: float = 0.3,
         history: int = 8,
     ) -> None:
         super().__init__(n_target, group_size)
