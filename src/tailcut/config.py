@@ -23,14 +23,34 @@ class _Model(BaseModel):
 
 
 class SimEngineConfig(_Model):
-    decode_a_s: float = Field(0.012, ge=0.0, le=10.0)
-    """Fixed cost of one decode step, seconds (τ(b) = a + c·b)."""
-    decode_c_s: float = Field(3.0e-5, ge=0.0, le=1.0)
-    """Per-running-sequence cost of one decode step, seconds."""
+    """Simulated server. The defaults model Qwen2.5-3B in bf16 on one H100 SXM (3.35 TB/s
+    HBM, of which ~3.0 TB/s is reached; 989 TFLOP/s dense bf16, ~650 reached by
+    batch-1024 GEMMs), serving ~1024 sequences of ~400-token context. Model facts: 3.09 B
+    parameters (6.17 GB of weights, 6.17 GFLOP per generated token); 36 layers × 2 KV heads
+    × 128 dims × (K, V) × 2 bytes = 36,864 bytes of KV cache per token.
+
+    τ(1) = weights 6.17 GB / 3.0 TB/s (2.06 ms) + per-step overhead (scheduler loop,
+    graph launch, sampler: ~2 ms) ≈ 4.1 ms.
+    τ(1024) = GEMMs 1024 × 6.17 GFLOP / 650 TFLOP/s (9.7 ms: compute-bound above b ≈ 210,
+    the weight read hides inside) + KV 1024 × 400 × 36,864 B / 3.0 TB/s (5.0 ms) +
+    sampling and per-request bookkeeping (~1 µs each: 1.0 ms) + per-step overhead (2 ms)
+    ≈ 17.8 ms.
+    The line through both: a = 4.0 ms, c = 13.5 µs."""
+
+    decode_a_s: float = Field(0.004, ge=0.0, le=10.0)
+    """Fixed cost of one decode step, seconds (τ(b) = a + c·b): the weight read plus the
+    per-step overhead (see the class docstring)."""
+    decode_c_s: float = Field(1.35e-5, ge=0.0, le=1.0)
+    """Per-running-sequence cost of one decode step, seconds: its share of the GEMM FLOPs
+    (above the compute-bound batch size), its KV read, sampling and bookkeeping."""
     prefill_s_per_token: float = Field(2.0e-6, ge=0.0, le=1.0)
-    """Prefill cost per prompt token, seconds."""
-    kv_capacity_tokens: int = Field(4_000_000, ge=1)
-    """KV-cache capacity in tokens; requests queue when it is full."""
+    """Prefill cost per prompt token, seconds. A new token costs ~9.5 µs (6.17 GFLOP at
+    650 TFLOP/s), but with prefix caching a later turn only prefills what the last turn
+    added (the tool answer); the engine charges every prompt token of every turn, so the
+    effective rate over a multi-turn trajectory is ~2 µs."""
+    kv_capacity_tokens: int = Field(1_600_000, ge=1)
+    """KV-cache capacity in tokens; requests queue when it is full. Default: ~59 GB of
+    an 80 GB H100 at 36,864 B per token (after weights, activations and graphs)."""
     kv_block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block (for the blocks-in-use counter)."""
 
@@ -75,6 +95,9 @@ class RemoteEngineConfig(_Model):
     verify_load: bool = True
     """After an abort, check the servers' load counters until they hold no more requests
     than ours still running (turn off when other clients share the servers)."""
+    exclusive: bool = False
+    """The servers serve tailcut alone: an abort of every request we have on a server is
+    sent as one ``abort_all`` (SGLang) instead of one call per request."""
     model_name: str | None = None
     """vLLM served model name (None: the first one /v1/models lists)."""
     api_key: str | None = None

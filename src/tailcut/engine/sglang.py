@@ -1,0 +1,255 @@
+"""SGLang servers over HTTP: one client for one or many (data-parallel) servers.
+
+Generation is SGLang's native ``POST /generate`` with token ids in and out::
+
+    {"input_ids": [...], "rid": "<24-char id>", "return_logprob": true, "stream": false,
+     "sampling_params": {"max_new_tokens", "temperature", "top_p", "stop_token_ids",
+                         "ignore_eos", "sampling_seed"}}
+    -> {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+        "output_token_logprobs": [[logprob, token_id, null], ...], "completion_tokens", ...}}
+
+With ``engine.remote.stream=true`` the same comes as ``data: {...}`` events (cumulative by
+default; incremental when the server runs ``--incremental-streaming-output``: both are
+read) closed by ``data: [DONE]``.
+
+Aborts: ``POST /abort_request {"rid": id}`` to the server that holds the request (SGLang
+matches ``rid`` as a *prefix*, which is why tailcut ids have one fixed length), or
+``{"abort_all": true}``. The aborted call comes back with finish reason ``abort`` and the
+tokens generated so far. Verification reads ``GET /v1/loads`` (``num_running_reqs`` +
+``num_waiting_reqs`` per data-parallel rank), or ``GET /get_load`` on older servers.
+
+For a trainer sharing the GPUs: :meth:`release_memory` / :meth:`resume_memory` (tags
+``kv_cache``, ``weights``, ``cuda_graph``), :meth:`update_weights_from_disk`,
+:meth:`flush_cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tailcut.engine.base import EngineError
+from tailcut.engine.http import ServerClient, ServerHTTPError, fan_out, sse_events
+from tailcut.engine.remote import Flight, RemoteEngine
+from tailcut.types import FinishReason, GenerateRequest, GenerateResult
+
+MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def sampling_params(request: GenerateRequest) -> dict[str, Any]:
+    s = request.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if s.stop_token_ids:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    return params
+
+
+class SGLangEngine(RemoteEngine):
+    """Generate on SGLang servers; aborts reach every server holding the request."""
+
+    name = "sglang"
+    health_path = "/health"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._load_path: dict[str, str | None] = {}
+
+    # -- generate ------------------------------------------------------------------------
+
+    async def _request(self, server: ServerClient, flight: Flight) -> GenerateResult:
+        req = flight.request
+        body = {
+            "input_ids": list(req.prompt_ids),
+            "sampling_params": sampling_params(req),
+            "rid": req.request_id,
+            "return_logprob": True,
+            "stream": self.config.stream,
+        }
+        if not self.config.stream:
+            answer = await server.request("POST", "/generate", json=body, idempotent=False)
+            out = answer.json()
+            self._absorb(flight, out)
+            return self._result(server, flight, out)
+        last: dict[str, Any] = {}
+        async with server.stream("/generate", body) as resp:
+            async for chunk in sse_events(resp):
+                if "error" in chunk:
+                    err = chunk["error"]
+                    msg = err.get("message", err) if isinstance(err, dict) else err
+                    raise ServerHTTPError(server.url, "/generate", resp.status, str(msg))
+                self._absorb(flight, chunk)
+                last = chunk
+        if not last or last.get("meta_info", {}).get("finish_reason") is None:
+            raise EngineError(
+                f"sglang server {server.url} ended the stream of {flight.rid} without a finish "
+                f"reason after {len(flight.output_ids)} token(s)"
+            )
+        return self._result(server, flight, last)
+
+    @staticmethod
+    def _absorb(flight: Flight, out: dict[str, Any]) -> None:
+        """Take the output ids and log-probs of one answer (whole or streamed chunk)."""
+        meta = out.get("meta_info", {})
+        ids = [int(t) for t in out.get("output_ids") or []]
+        total = meta.get("completion_tokens")
+        cumulative = total is None or len(ids) == total or not flight.output_ids
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or [] if x is not None]
+        if cumulative:
+            flight.output_ids = ids
+            if lps or meta.get("output_token_logprobs") is not None:
+                flight.logprobs = lps
+        else:
+            flight.output_ids.extend(ids)
+            flight.logprobs.extend(lps)
+        version = meta.get("weight_version")
+        if isinstance(version, int) or (isinstance(version, str) and version.isdigit()):
+            flight.weight_version = int(version)
+
+    def _result(self, server: ServerClient, flight: Flight, out: dict[str, Any]) -> GenerateResult:
+        meta = out.get("meta_info", {})
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        reason = _FINISH.get(kind or "")
+        if reason is None:
+            raise EngineError(
+                f"sglang server {server.url} finished {flight.rid} with unknown reason {finish!r}"
+            )
+        if reason is FinishReason.ABORT and not flight.abort_sent:
+            raise EngineError(
+                f"sglang server {server.url} aborted {flight.rid} on its own: "
+                f"{finish.get('message', 'no message') if isinstance(finish, dict) else finish}"
+            )
+        logprobs = flight.logprobs if len(flight.logprobs) == len(flight.output_ids) else None
+        return GenerateResult(
+            request_id=flight.rid,
+            output_ids=list(flight.output_ids),
+            finish_reason=reason,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            weight_version=self.weight_version
+            if flight.weight_version is None
+            else flight.weight_version,
+            prompt_tokens=int(meta.get("prompt_tokens", len(flight.request.prompt_ids))),
+        )
+
+    # -- abort and load ----------------------------------------------------------------
+
+    async def _send_abort(
+        self, server: ServerClient, request_ids: list[str], within_s: float
+    ) -> None:
+        if self.config.exclusive and self._all_ours_on(server, request_ids):
+            body = {"rid": "", "abort_all": True}
+            await server.request("POST", "/abort_request", json=body, timeout_s=within_s, retries=0)
+            return
+        await fan_out(
+            server.request(
+                "POST", "/abort_request", json={"rid": rid}, timeout_s=within_s, retries=0
+            )
+            for rid in request_ids
+        )
+
+    def _all_ours_on(self, server: ServerClient, request_ids: list[str]) -> bool:
+        """Whether ``request_ids`` (more than one) cover every request of ours still open
+        on ``server``."""
+        index = self.servers.index(server)
+        ids = set(request_ids)
+        return len(ids) > 1 and all(
+            f.rid in ids for f in self._flights.values() if f.server == index and f.open
+        )
+
+    async def _send_abort_all(self, server: ServerClient) -> None:
+        await server.request(
+            "POST", "/abort_request", json={"rid": "", "abort_all": True}, timeout_s=10.0
+        )
+
+    async def _load(self, server: ServerClient) -> tuple[int, int] | None:
+        path = self._load_path.get(server.url, "/v1/loads")
+        if path is None:
+            return None
+        try:
+            if path == "/v1/loads":
+                data = await server.get_json(
+                    path, params={"include": "core"}, timeout_s=5.0, retries=0
+                )
+                ranks = data.get("loads", [])
+                return (
+                    sum(int(r.get("num_running_reqs", 0)) for r in ranks),
+                    sum(int(r.get("num_waiting_reqs", 0)) for r in ranks),
+                )
+            data = await server.get_json(path, timeout_s=5.0, retries=0)
+            ranks = data if isinstance(data, list) else [data]
+            return (
+                sum(int(r.get("num_reqs", 0)) for r in ranks),
+                sum(int(r.get("num_waiting_reqs", 0)) for r in ranks),
+            )
+        except ServerHTTPError as exc:
+            if exc.status != 404:
+                raise
+            self._load_path[server.url] = "/get_load" if path == "/v1/loads" else None
+            return await self._load(server)
+
+    # -- colocated trainer: memory, weights, cache -------------------------------------
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free GPU memory on every server (``None``: all tags). Servers must be idle."""
+        await self._each_server("POST", "/release_memory_occupation", json=_tags(tags))
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the released GPU memory back on every server (``None``: all tags)."""
+        await self._each_server("POST", "/resume_memory_occupation", json=_tags(tags))
+
+    async def flush_cache(self) -> None:
+        """Drop every server's prefix cache (refused while requests run)."""
+        await self._each_server("POST", "/flush_cache")
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: int | None = None,
+        abort_all: bool = False,
+        flush_cache: bool = True,
+    ) -> None:
+        """Load new weights from ``model_path`` on every server. SGLang waits for running
+        requests to finish (or aborts them with ``abort_all``). Results of later requests
+        carry ``weight_version`` (default: the current one plus one)."""
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        body = {
+            "model_path": str(model_path),
+            "abort_all_requests": abort_all,
+            "weight_version": str(version),
+            "flush_cache": flush_cache,
+        }
+        try:
+            answers = await self._each_server("POST", "/update_weights_from_disk", json=body)
+        except ServerHTTPError as exc:
+            raise EngineError(f"sglang weight update from {model_path} failed: {exc}") from exc
+        failed = [a for a in answers if isinstance(a, dict) and not a.get("success", False)]
+        if failed:
+            raise EngineError(
+                f"sglang weight update from {model_path} failed: {failed[0].get('message')}"
+            )
+        self.weight_version = version
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        """``GET /model_info`` of every live server."""
+        return await self._each_server("GET", "/model_info", timeout_s=10.0)
+
+
+def _tags(tags: Sequence[str] | None) -> dict[str, Any]:
+    if tags is None:
+        return {}
+    bad = sorted(set(tags) - MEMORY_TAGS)
+    if bad:
+        raise ValueError(f"unknown SGLang memory tag(s) {bad}; known: {sorted(MEMORY_TAGS)}")
+    return {"tags": list(tags)}
