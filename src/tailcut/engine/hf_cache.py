@@ -1,0 +1,190 @@
+"""A per-slot KV cache for the embedded engine: one fixed row of keys/values per request.
+
+::
+
+    buf[layer, k|v, slot, kv_head, column, head_dim]
+
+    slot 0  | p p p p p g g g . . . . |   end=8  (prompt p, generated g, . free)
+    slot 1  | p p p g . . . . . . . . |   end=4
+    slot 2  | p p p p p p p g g g g . |   end=11
+    ...     (slots 0..rows-1 are the running requests, always contiguous)
+
+Running requests occupy slots ``0 .. rows-1`` without holes: when a request leaves, the
+last row's keys/values move into its slot (one copy of that row), so a decode step reads
+``buf[..., :rows, :, :width]`` as a view — no gather, no re-padding when requests come and
+go. Each row has its own ``end`` (tokens cached) and its own RoPE positions; a per-row
+attention mask hides the columns a row does not own.
+
+The model sees this object as its ``cache``: its attention layers call
+:meth:`SlotKVCache.update` with the new keys/values of the current forward pass. Two kinds
+of pass exist:
+
+* **prefill**: ``n`` new requests in slots ``first .. first+n-1``, prompts right-padded to
+  ``width`` columns; keys are written at columns ``0 .. width-1`` (pad columns are masked
+  and later overwritten).
+* **decode**: every running row feeds one token, written at column ``end[row]``; attention
+  reads columns ``0 .. max(end)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    slots: int
+    max_seq_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            self.layers * 2 * self.slots * self.kv_heads * self.max_seq_len * self.head_dim * elem
+        )
+
+
+def kv_shape_for(model: Any, slots: int, max_seq_len: int) -> KVShape:
+    """The cache geometry of a Hugging Face causal LM (Qwen2 / Llama style configs)."""
+    cfg = model.config.get_text_config()
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"model {cfg.model_type!r} has non-full attention layers ({sorted(set(layer_types))}); "
+            "the embedded engine supports full attention only"
+        )
+    limit = int(getattr(cfg, "max_position_embeddings", max_seq_len) or max_seq_len)
+    param = next(model.parameters())
+    return KVShape(
+        layers=int(cfg.num_hidden_layers),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        slots=slots,
+        max_seq_len=min(max_seq_len, limit),
+        dtype=param.dtype,
+        device=param.device,
+    )
+
+
+class SlotKVCache:
+    """KV storage for ``shape.slots`` requests of up to ``shape.max_seq_len`` tokens.
+
+    Columns are allocated on demand (doubling, up to ``max_seq_len``), so a small model
+    with short requests does not hold the whole capacity; zero-filled, so a masked column
+    never holds a NaN that ``0 * NaN`` would spread through the attention product.
+    """
+
+    def __init__(self, shape: KVShape, initial_columns: int = 256) -> None:
+        self.shape = shape
+        self.buf = self._alloc(min(initial_columns, shape.max_seq_len))
+        self._prefill = False
+        self._first = 0
+        self._rows = 0
+        self._width = 0
+        self._cols = torch.zeros(0, dtype=torch.long, device=shape.device)
+        self._row_index = torch.arange(shape.slots, device=shape.device)
+
+    def _alloc(self, columns: int) -> torch.Tensor:
+        s = self.shape
+        return torch.zeros(
+            s.layers, 2, s.slots, s.kv_heads, columns, s.head_dim, dtype=s.dtype, device=s.device
+        )
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    def _reserve(self, columns: int) -> None:
+        have = self.buf.shape[4]
+        if columns <= have:
+            return
+        grown = self._alloc(min(self.shape.max_seq_len, max(columns, 2 * have)))
+        grown[:, :, :, :, :have] = self.buf
+        self.buf = grown
+
+    # -- forward-pass setup ------------------------------------------------------------
+    def begin_prefill(self, first: int, rows: int, width: int) -> None:
+        """Next pass writes ``rows`` new requests at slots ``first..`` columns ``0..width-1``."""
+        if first + rows > self.shape.slots or width > self.shape.max_seq_len:
+            raise ValueError(
+                f"prefill of {rows} rows x {width} columns at slot {first} does not fit a cache "
+                f"of {self.shape.slots} slots x {self.shape.max_seq_len} columns"
+            )
+        self._reserve(width)
+        self._prefill, self._first, self._rows, self._width = True, first, rows, width
+
+    def begin_decode(self, ends: torch.Tensor, width: int) -> None:
+        """Next pass feeds one token per running row, written at column ``ends[row]``;
+        ``width`` is ``max(ends) + 1`` (passed in: reading it back would sync a GPU)."""
+        self._reserve(width)
+        self._prefill = False
+        self._rows = int(ends.shape[0])
+        self._cols = ends
+        self._width = width
+
+    @property
+    def width(self) -> int:
+        """Key columns the next pass attends over."""
+        return self._width
+
+    # -- the interface the model's attention layers call -------------------------------
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *_: Any,
+        **__: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.buf[layer_idx]
+        if self._prefill:
+            lo, hi, width = self._first, self._first + self._rows, key_states.shape[2]
+            layer[0, lo:hi, :, :width] = key_states
+            layer[1, lo:hi, :, :width] = value_states
+            return key_states, value_states
+        rows = self._row_index[: self._rows]
+        layer[0, rows, :, self._cols] = key_states[:, :, 0]
+        layer[1, rows, :, self._cols] = value_states[:, :, 0]
+        width = self._width
+        return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._width
+
+    # -- slot bookkeeping ---------------------------------------------------------------
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (all layers)."""
+        if src != dst and length > 0:
+            self.buf[:, :, dst, :, :length] = self.buf[:, :, src, :, :length]
+
+
+def decode_mask(ends: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[rows, 1, 1, width]``: row r sees columns ``0..ends[r]`` (its own)."""
+    cols = torch.arange(width, device=ends.device)
+    visible = cols[None, :] <= ends[:, None]
+    return _additive(visible, dtype)[:, None, None, :]
+
+
+def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[rows, 1, width, width]``: causal, and keys only within each prompt."""
+    idx = torch.arange(width, device=lengths.device)
+    causal = idx[None, :] <= idx[:, None]
+    visible = causal[None, :, :] & (idx[None, None, :] < lengths[:, None, None])
+    return _additive(visible, dtype)[:, None, :, :]
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, neg)

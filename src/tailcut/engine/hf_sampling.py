@@ -1,0 +1,106 @@
+"""Batched next-token sampling with per-row temperature, top-p and random stream.
+
+Each row draws its token by inverse-CDF sampling with one uniform number ``u`` supplied by
+the caller (taken from that request's own seeded generator), so a request's tokens do not
+depend on which other requests share its batch (up to floating-point differences in the
+logits themselves).
+
+Log-probability of the sampled token, by ``mode``:
+
+* ``sampled`` — under the distribution actually sampled from: ``softmax(logits / T)``
+  restricted to the top-p nucleus and renormalised. Greedy rows (``T == 0``) sample from a
+  point mass: 0.0.
+* ``scaled`` — under the temperature-scaled full distribution ``log_softmax(logits / T)``
+  (what a trainer that divides its logits by ``T`` and ignores top-p computes). Greedy rows
+  use ``T = 1``.
+* ``raw`` — under the model's own distribution ``log_softmax(logits)`` (temperature 1).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LogprobMode = Literal["sampled", "scaled", "raw"]
+
+_U_MAX = 1.0 - 2.0**-24
+"""Largest float32 below 1: uniforms are clamped here so ``u * total < total``."""
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+    mode: LogprobMode = "sampled",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` ``[rows, vocab]``.
+
+    ``temperature``, ``top_p`` and ``uniform`` are ``[rows]`` float tensors on the logits'
+    device; ``temperature <= 0`` means greedy. Returns ``(tokens [rows] long,
+    logprobs [rows] float32)``.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled_logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    probs = scaled_logp.exp()
+    u = uniform.clamp(0.0, _U_MAX)
+    if bool((top_p < 1.0).any()):
+        tokens, sampled_lp = _sample_nucleus(probs, top_p, u)
+    else:
+        tokens, sampled_lp = _sample_full(probs, scaled_logp, u)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    picked = tokens[:, None]
+    if mode == "sampled":
+        logprobs = torch.where(greedy, torch.zeros_like(sampled_lp), sampled_lp)
+    elif mode == "scaled":
+        logprobs = scaled_logp.gather(1, picked).squeeze(1)
+    elif mode == "raw":
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, picked).squeeze(1)
+    else:
+        raise ValueError(f"logprob mode {mode!r} is not one of sampled, scaled, raw")
+    return tokens, logprobs
+
+
+def _sample_full(
+    probs: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cum = probs.cumsum(dim=-1)
+    target = (u * cum[:, -1])[:, None]
+    idx = torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[1] - 1)
+    # A rounding edge can land on a zero-probability tail token: fall back to the mode.
+    zero = probs.gather(1, idx) <= 0
+    idx = torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx)
+    return idx.squeeze(1), logp.gather(1, idx).squeeze(1)
+
+
+def _sample_nucleus(
+    probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = before < top_p[:, None]  # the most likely token is always kept
+    kept_p = sorted_p * keep
+    cum = kept_p.cumsum(dim=-1)
+    total = cum[:, -1]
+    idx = torch.searchsorted(cum, (u * total)[:, None], right=True)
+    idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
+    tokens = order.gather(1, idx).squeeze(1)
+    logprobs = torch.log(kept_p.gather(1, idx).squeeze(1) / total)
+    return tokens, logprobs
+
+
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Reference ``[positions, vocab]`` log-probs of the ``sampled`` mode (``-inf`` outside
+    the nucleus), computed the plain way: for tests and offline checks."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    probs = logp.exp()
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return torch.log(kept / kept.sum(dim=-1, keepdim=True))

@@ -1,0 +1,398 @@
+"""The embedded engine's worker: one thread that owns the model and runs the batch.
+
+::
+
+    event loop thread                          worker thread (owns model + KV cache)
+    ─────────────────                          ─────────────────────────────────────
+    submit(live) ──┐                           loop:
+    request_abort ─┼─► [lock] waiting / rows /   wait_for(work)            [lock]
+    command(fn) ───┘          flags / commands   retire aborted rows       [lock]
+                                                 run commands (weights)
+         ▲                                       admit waiting → free slots [lock]
+         │ call_soon_threadsafe                  prefill admitted  | decode all rows
+         └──── results, abort confirmations ◄─── accept tokens, retire done [lock]
+
+One forward pass at a time; every abort flag is read under the lock before each pass, so
+an aborted request is never in a pass that starts after its abort, and a token of a pass
+that was already running when the abort arrived is dropped. An aborted row leaves the
+cache at that boundary (its slot is reused by the next admission) and only then is the
+abort confirmed to the caller. The lock is held only for bookkeeping, never during a
+forward pass, so the event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from tailcut.engine.base import EngineDied, EngineError, EngineStats
+from tailcut.engine.hf_cache import SlotKVCache, decode_mask, kv_shape_for, prefill_mask
+from tailcut.engine.hf_records import Command, Counters, Live, Waiter, post
+from tailcut.engine.hf_sampling import LogprobMode, sample_tokens
+from tailcut.types import FinishReason, GenerateResult
+
+log = logging.getLogger(__name__)
+
+
+class SlotWorker:
+    """Continuous batching over a :class:`SlotKVCache`, driven by one worker thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        slots: int,
+        max_seq_len: int,
+        max_prefill_tokens: int,
+        kv_block_size: int,
+        logprob_mode: LogprobMode,
+        cache_kwarg: str,
+    ) -> None:
+        self._model = model
+        self._cache = SlotKVCache(kv_shape_for(model, slots, max_seq_len))
+        self._device = self._cache.shape.device
+        self._dtype = self._cache.shape.dtype
+        self.slots = slots
+        self.max_seq_len = self._cache.shape.max_seq_len
+        self._max_prefill_tokens = max_prefill_tokens
+        self._block = kv_block_size
+        self._mode: LogprobMode = logprob_mode
+        self._cache_kwarg = cache_kwarg
+        self._cv = threading.Condition()
+        self._waiting: deque[Live] = deque()
+        self._rows: list[Live] = []
+        self._live: dict[str, Live] = {}
+        self._to_abort: list[Live] = []
+        self._waiters: list[Waiter] = []
+        self._commands: deque[Command] = deque()
+        self._closing = False
+        self._dead: str | None = None
+        self.version = 0
+        self.counters = Counters()
+        self._passes = 0
+        """Forward passes started so far (the id of the latest)."""
+        self._thread = threading.Thread(target=self._main, name="tailcut-hf-worker", daemon=True)
+        self._thread.start()
+
+    # ── event-loop side (each call holds the lock briefly) ─────────────────────────────
+    def submit(self, live: Live) -> None:
+        with self._cv:
+            self._check_open()
+            if live.request_id in self._live:
+                raise ValueError(f"request id {live.request_id!r} is already running")
+            self._live[live.request_id] = live
+            self._waiting.append(live)
+            self._cv.notify()
+
+    def request_abort(self, request_ids: Iterable[str]) -> asyncio.Future[None] | None:
+        """Abort ``request_ids``; returns a future that resolves once their slots are free
+        (None when nothing needs the worker: unknown ids or requests still waiting)."""
+        with self._cv:
+            running = {rid for rid in request_ids if self._flag_abort(rid)}
+            if not running:
+                return None
+            loop = asyncio.get_running_loop()
+            waiter = Waiter(running, loop, loop.create_future())
+            self._waiters.append(waiter)
+            self._cv.notify()
+            return waiter.future
+
+    def command(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``fn`` on the worker thread between two forward passes."""
+        loop = asyncio.get_running_loop()
+        cmd = Command(fn, loop, loop.create_future())
+        with self._cv:
+            self._check_open()
+            self._commands.append(cmd)
+            self._cv.notify()
+        return cmd.future
+
+    def in_flight(self) -> list[str]:
+        with self._cv:
+            return list(self._live)
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            c = self.counters
+            return EngineStats(
+                running=len(self._rows),
+                waiting=len(self._waiting),
+                aborted=c.aborted,
+                wasted_tokens=c.wasted_tokens,
+                tokens_after_abort=c.tokens_after_abort,
+                kv_blocks_in_use=sum(math.ceil(r.end / self._block) for r in self._rows),
+                kv_blocks_total=self.slots * math.ceil(self.max_seq_len / self._block),
+            )
+
+    @property
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        """(allocated now, capacity) of the KV cache in bytes."""
+        return self._cache.allocated_bytes, self._cache.shape.bytes
+
+    def set_version(self, version: int) -> None:
+        """Tag tokens sampled from now on with ``version`` (called on the worker thread)."""
+        with self._cv:
+            self.version = version
+            self.counters.weight_updates += 1
+
+    def close(self) -> None:
+        """Abort everything and let the thread exit (join it with :meth:`join`)."""
+        with self._cv:
+            self._closing = True
+            for rid in list(self._live):
+                self._flag_abort(rid)
+            self._cv.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDied(f"hf engine worker died: {self._dead}")
+        if self._closing:
+            raise EngineError("hf engine is closed")
+
+    def _flag_abort(self, rid: str) -> bool:
+        """Under the lock: True if ``rid`` is running and the worker must free its slot."""
+        live = self._live.get(rid)
+        if live is None:
+            return False
+        if live.row < 0:  # still waiting: no slot to free, answer at once
+            self._waiting.remove(live)
+            self._retire([(live, FinishReason.ABORT)])
+            return False
+        if live.abort_at is None:
+            live.abort_at = self._passes
+            self._to_abort.append(live)
+        return True
+
+    # ── worker thread ──────────────────────────────────────────────────────────────────
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iteration():
+                    pass
+        except BaseException as exc:
+            log.exception("hf engine worker died")
+            with self._cv:
+                self._dead = repr(exc)
+                self._fail_everything(EngineDied(f"hf engine worker died: {exc!r}"))
+            raise
+
+    def _has_work(self) -> bool:
+        admissible = bool(self._waiting) and len(self._rows) < self.slots
+        return bool(self._closing or self._to_abort or self._commands or admissible or self._rows)
+
+    def _iteration(self) -> bool:
+        """One scheduling round: aborts, then commands or one forward pass."""
+        with self._cv:
+            self._cv.wait_for(self._has_work)
+            if self._to_abort:
+                flagged, self._to_abort = self._to_abort, []
+                self._retire(
+                    [(x, FinishReason.ABORT) for x in flagged if x.request_id in self._live]
+                )
+            if self._closing and not self._live:
+                self._fail_commands(EngineError("hf engine is closed"))
+                return False
+            commands = list(self._commands)
+            self._commands.clear()
+            admitted = [] if commands else self._admit()
+            rows = [] if commands or admitted else list(self._rows)
+            if admitted or rows:
+                self._passes += 1
+            pass_id = self._passes
+        if commands:
+            for cmd in commands:
+                self._run_command(cmd)
+        elif admitted:
+            self._guarded(admitted, pass_id, self._prefill)
+        elif rows:
+            self._guarded(rows, pass_id, self._decode)
+        return True
+
+    def _admit(self) -> list[Live]:
+        """Under the lock: move waiting requests into free slots (FIFO, prefill budget)."""
+        batch: list[Live] = []
+        width = 0
+        while self._waiting and len(self._rows) < self.slots:
+            nxt = len(self._waiting[0].request.prompt_ids)
+            if batch and (len(batch) + 1) * max(width, nxt) > self._max_prefill_tokens:
+                break
+            live = self._waiting.popleft()
+            live.row = len(self._rows)
+            self._rows.append(live)
+            batch.append(live)
+            width = max(width, nxt)
+        return batch
+
+    def _guarded(
+        self, rows: list[Live], pass_id: int, step: Callable[[list[Live], int], None]
+    ) -> None:
+        try:
+            step(rows, pass_id)
+        except Exception as exc:
+            log.exception("hf engine forward pass failed")
+            error = EngineError(f"hf engine forward pass failed: {exc!r}")
+            with self._cv:
+                self._retire(
+                    [(x, FinishReason.FAILED) for x in rows if x.request_id in self._live], error
+                )
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kw: Any
+    ) -> torch.Tensor:
+        kw[self._cache_kwarg] = self._cache
+        out = self._model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask={"full_attention": mask},
+            use_cache=True,
+            **kw,
+        )
+        return out.logits[:, -1]
+
+    def _prefill(self, batch: list[Live], pass_id: int) -> None:
+        lengths = [len(x.request.prompt_ids) for x in batch]
+        width = max(lengths)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : lengths[i]] = torch.tensor(x.request.prompt_ids, dtype=torch.long)
+        lens = torch.tensor(lengths, dtype=torch.long, device=self._device)
+        pos = torch.arange(width, device=self._device).expand(len(batch), width)
+        self._cache.begin_prefill(batch[0].row, len(batch), width)
+        mask = prefill_mask(lens, width, self._dtype)
+        logits = self._forward(ids.to(self._device), pos, mask, logits_to_keep=(lens - 1)[:, None])
+        for x, n in zip(batch, lengths, strict=True):
+            x.end = n
+        self._accept(batch, logits, pass_id)
+        self.counters.prefill_passes += 1
+
+    def _decode(self, rows: list[Live], pass_id: int) -> None:
+        ends_list = [x.end for x in rows]
+        ends = torch.tensor(ends_list, dtype=torch.long, device=self._device)
+        last = torch.tensor([[x.output[-1]] for x in rows], dtype=torch.long, device=self._device)
+        self._cache.begin_decode(ends, max(ends_list) + 1)
+        mask = decode_mask(ends, self._cache.width, self._dtype)
+        logits = self._forward(last, ends[:, None], mask)
+        for x in rows:
+            x.end += 1
+        self._accept(rows, logits, pass_id)
+        self.counters.decode_passes += 1
+
+    def _accept(self, rows: list[Live], logits: torch.Tensor, pass_id: int) -> None:
+        """Sample one token per row, then (under the lock) append and retire finished rows.
+
+        A row whose abort has arrived gets no token. If the abort arrived while this pass
+        was running, its token is dropped; if it arrived before this pass started, the pass
+        should never have included the row: counted in ``tokens_after_abort``."""
+        req = [x.request.sampling for x in rows]
+        temp = torch.tensor([s.temperature for s in req], dtype=torch.float32)
+        top_p = torch.tensor([s.top_p for s in req], dtype=torch.float32)
+        uni = torch.tensor([x.rng.random() for x in rows], dtype=torch.float32)
+        dev = logits.device
+        tokens, logprobs = sample_tokens(
+            logits, temp.to(dev), top_p.to(dev), uni.to(dev), self._mode
+        )
+        tok_list, lp_list = tokens.tolist(), logprobs.tolist()
+        with self._cv:
+            done: list[tuple[Live, FinishReason]] = []
+            for x, tok, lp in zip(rows, tok_list, lp_list, strict=True):
+                if x.abort_at is not None:
+                    if pass_id > x.abort_at:
+                        self.counters.tokens_after_abort += 1
+                    else:
+                        self.counters.dropped_after_abort += 1
+                    continue
+                reason = self._append(x, tok, lp)
+                if reason is not None:
+                    done.append((x, reason))
+            if done:
+                self._retire(done)
+
+    def _append(self, x: Live, tok: int, lp: float) -> FinishReason | None:
+        x.output.append(tok)
+        x.logprobs.append(lp)
+        if x.version is None:
+            x.version = self.version
+        self.counters.generated_tokens += 1
+        if tok in x.stop_ids:
+            return FinishReason.STOP
+        if len(x.output) >= x.budget:
+            return FinishReason.LENGTH
+        return None
+
+    def _run_command(self, cmd: Command) -> None:
+        try:
+            value = cmd.fn()
+        except Exception as exc:
+            post(cmd.loop, cmd.future, error=exc)
+        else:
+            post(cmd.loop, cmd.future, value)
+
+    # ── retiring (always under the lock) ───────────────────────────────────────────────
+    def _retire(
+        self, items: Sequence[tuple[Live, FinishReason]], error: BaseException | None = None
+    ) -> None:
+        """Free the slots of ``items``, deliver their results, wake abort waiters."""
+        for x, _ in sorted(items, key=lambda item: item[0].row, reverse=True):
+            if x.row >= 0:
+                self._free_row(x.row)
+        for x, reason in items:
+            del self._live[x.request_id]
+            if reason is FinishReason.ABORT:
+                self.counters.aborted += 1
+                self.counters.wasted_tokens += len(x.output)
+            post(x.loop, x.future, self._result(x, reason), error)
+        self._wake_waiters()
+
+    def _free_row(self, row: int) -> None:
+        """Remove ``row``; the last row moves into its slot so rows stay contiguous."""
+        last = len(self._rows) - 1
+        gone = self._rows[row]
+        if row != last:
+            moved = self._rows[last]
+            self._cache.move_row(last, row, moved.end)
+            self._rows[row] = moved
+            moved.row = row
+        self._rows.pop()
+        gone.row = -1
+
+    def _result(self, x: Live, reason: FinishReason) -> GenerateResult:
+        return GenerateResult(
+            request_id=x.request_id,
+            output_ids=list(x.output),
+            finish_reason=reason,
+            logprobs=list(x.logprobs),
+            weight_version=self.version if x.version is None else x.version,
+            prompt_tokens=len(x.request.prompt_ids),
+        )
+
+    def _wake_waiters(self) -> None:
+        if not self._waiters:
+            return
+        pending: list[Waiter] = []
+        for w in self._waiters:
+            if w.ids.isdisjoint(self._live):
+                post(w.loop, w.future)
+            else:
+                pending.append(w)
+        self._waiters = pending
+
+    def _fail_commands(self, error: BaseException) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            post(cmd.loop, cmd.future, error=error)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        self._waiting.clear()
+        items = [(x, FinishReason.FAILED) for x in self._live.values()]
+        self._retire(items, error)
+        self._fail_commands(error)
