@@ -140,6 +140,33 @@ def test_engine_death_fails_the_step_without_hanging():
         run_virtual(main())
 
 
+def test_a_rollout_slow_to_unwind_is_cancelled_at_the_abort_deadline():
+    class SlowCleanup(TurnsRollout):
+        """Cut in its tool call, it spends 60 s in shielded cleanup before re-raising."""
+
+        async def __call__(self, sample, eng, tracer):
+            try:
+                return await super().__call__(sample, eng, tracer)
+            except asyncio.CancelledError:
+                await asyncio.shield(asyncio.sleep(60.0))
+                raise
+
+    async def main():
+        return await run_step(
+            TimedEngine(TOKEN_S),
+            _samples(3),
+            SlowCleanup([[(1, 0.0)], [(3, 0.0)], [(2, 50.0), (1, 0.0)]]),
+            TargetCount(3, abort_ratio=0.3),
+            Tracer(None, step=0),
+            abort_deadline_s=2.0,
+        )
+
+    res = run_virtual(main())
+    assert res.cut_time_s == pytest.approx(3 * TOKEN_S)
+    assert res.step_time_s == pytest.approx(3 * TOKEN_S + 2.0)  # the deadline, not 60 s
+    assert [s.status for s in res.samples] == [Status.COMPLETED, Status.COMPLETED, Status.ABORTED]
+
+
 def test_real_error_becomes_failed_record_never_padding():
     res = _run(TimedEngine(TOKEN_S), [[(1, 0.0)], [(2, 0.0)], [(3, 0.0)]], WaitAll(3), fail={1})
     s = res.samples[1]

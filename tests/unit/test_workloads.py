@@ -46,7 +46,7 @@ def test_turn_structure_of_seed_gsm8k():
     assert {len(t.turns) for t in trajs} <= {1, 2, 3, 4, 5}
     assert all(t.turns[-1].tool_s == 0 for t in trajs)
     assert all(u.tool_s > 0 for t in trajs for u in t.turns[:-1])
-    assert all(8 <= u.output_tokens <= 1400 for t in trajs for u in t.turns)
+    assert all(8 <= u.output_tokens <= 4000 for t in trajs for u in t.turns)
     two = np.mean([len(t.turns) == 2 for t in trajs])
     assert 0.6 < two < 0.75
 

@@ -119,20 +119,23 @@ class TurnMixParams:
 
 SEED_GSM8K = TurnMixParams(
     turn_mix=(0.03, 0.68, 0.18, 0.07, 0.04),
-    first_turn_tokens=(195.0, 208.0, 285.0, 310.0, 320.0),
-    later_turn_tokens=(0.0, 142.0, 230.0, 205.0, 175.0),
+    first_turn_tokens=(486.0, 485.0, 691.0, 758.0, 783.0),
+    later_turn_tokens=(0.0, 331.0, 557.0, 502.0, 428.0),
     group_sigma=0.3,
-    request_sigma=0.45,
+    request_sigma=0.52,
     turn_sigma=0.3,
     tool_median_s=0.6,
     tool_sigma=0.6,
     tool_tokens=24,
     prompt_tokens=180,
-    max_turn_tokens=1400,
+    max_turn_tokens=4000,
 )
 """Calibrated against :data:`REFERENCE` with the default ``SimEngineConfig`` at 1024
-concurrent requests (groups of 16): seeds 0-2 give mean 20.2 s, P50 18.1, P90 34.4,
-P99 52.2, max 72.6, 67% two-turn, and 9.5 / 16.3 / 28.0 / 32.9 / 34.6 s by turns."""
+concurrent requests (groups of 16): seeds 0-2 give mean 20.3 s, P50 18.1, P90 35.0,
+P99 52.9, max 74.5 (70.4 / 82.6 / 70.5), 67% two-turn, and 10.0 / 16.3 / 28.2 / 33.1 /
+34.8 s by turns. The reference's durations only fix time, not tokens: on that engine they
+take 1,500 tokens per trajectory on average and up to ~12,000 in the tail, where the batch
+has drained and a sequence gets ~240 tokens/s."""
 
 
 def generate_group(

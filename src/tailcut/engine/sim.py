@@ -29,7 +29,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from itertools import repeat
 
 from tailcut.config import SimEngineConfig
@@ -54,10 +53,18 @@ def _token_ids(n: int) -> list[int]:
     return (_PATTERN * reps)[:n]
 
 
-class _State(StrEnum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
+class _State:
+    """Where a sequence is. Plain constants, not an Enum: the engine reads them in its
+    inner loops, and on Python 3.11 an Enum class attribute costs ~5× a plain one."""
+
+    WAITING = 0
+    RUNNING = 1
+    DONE = 2
+
+
+# Enum members the hot paths use, bound once (same reason as :class:`_State`).
+_STOP, _LENGTH, _ABORT = FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT
+_LOST, _NOT_RUNNING, _ABORTED = AbortEffect.LOST, AbortEffect.NOT_RUNNING, AbortEffect.ABORTED
 
 
 @dataclass(slots=True, eq=False)
@@ -71,7 +78,7 @@ class _Seq:
     stop: bool
     hang: bool
     lose_left: int
-    state: _State = _State.WAITING
+    state: int = _State.WAITING
     start: int = -1
     finish: int = NEVER
     lost_abort_step: int | None = None
@@ -137,7 +144,7 @@ class SimEngine(BaseEngine):
             self._check_alive()
         seq = self._new_seq(request, loop)
         if seq.n == 0:
-            return self._result(seq, 0, FinishReason.LENGTH)
+            return self._result(seq, 0, _LENGTH)
         self._catch_up()
         self._live[request.request_id] = seq
         self._waiting.append(seq)
@@ -288,11 +295,11 @@ class SimEngine(BaseEngine):
                 kept.append(rid)
                 continue
             seq.lose_left -= 1
-            running = seq.state is _State.RUNNING
+            running = seq.state == _State.RUNNING
             if seq.lost_abort_step is None:
                 seq.lost_abort_step = step if running else -1
             tokens = min(step - seq.start, seq.n) if running else 0
-            self._abort_rows.append((rid, now, AbortEffect.LOST, tokens))
+            self._abort_rows.append((rid, now, _LOST, tokens))
         return kept
 
     def _abort_batch(self, request_ids: Sequence[str], now: float, step: int) -> bool:
@@ -301,13 +308,14 @@ class SimEngine(BaseEngine):
         live = self._live
         found = [seq for seq in map(live.pop, request_ids, repeat(None)) if seq is not None]
         if found:
-            running = [seq for seq in found if seq.state is _State.RUNNING]
+            is_running, done = _State.RUNNING, _State.DONE
+            running = [seq for seq in found if seq.state == is_running]
             self._n_running -= len(running)
             self._n_waiting -= len(found) - len(running)
             self._kv_used -= sum(seq.reserve for seq in running)
             self._blocks_used -= sum(seq.blocks for seq in running)
             for seq in found:
-                seq.state = _State.DONE
+                seq.state = done
         self._batches.append((now, step, tuple(request_ids), found))
         return bool(found)
 
@@ -329,9 +337,9 @@ class SimEngine(BaseEngine):
             for rid in ids:
                 tokens_or_none = stopped.pop(rid, None)
                 if tokens_or_none is None:
-                    rows.append((rid, now, AbortEffect.NOT_RUNNING, 0))
+                    rows.append((rid, now, _NOT_RUNNING, 0))
                 else:
-                    rows.append((rid, now, AbortEffect.ABORTED, tokens_or_none))
+                    rows.append((rid, now, _ABORTED, tokens_or_none))
 
     def _deliver(self) -> None:
         self._deliver_handle = None
@@ -339,7 +347,7 @@ class SimEngine(BaseEngine):
         items, self._to_deliver = self._to_deliver, []
         for seq, tokens in items:
             if not seq.fut.done():
-                seq.fut.set_result(self._result(seq, tokens, FinishReason.ABORT))
+                seq.fut.set_result(self._result(seq, tokens, _ABORT))
 
     # --------------------------------------------------------------- the clock
 
@@ -367,7 +375,7 @@ class SimEngine(BaseEngine):
         return self._t0 if step == self._s0 else self._step_time(step)
 
     def _tokens(self, seq: _Seq, step: int) -> int:
-        if seq.state is not _State.RUNNING or step < seq.start:
+        if seq.state != _State.RUNNING or step < seq.start:
             return 0
         return min(step - seq.start, seq.n)
 
@@ -423,9 +431,9 @@ class SimEngine(BaseEngine):
         heap = self._heap
         while heap and heap[0][0] <= s:
             _, _, seq = heapq.heappop(heap)
-            if seq.state is _State.RUNNING:
+            if seq.state == _State.RUNNING:
                 self.completed += 1
-                self._end(seq, seq.n, FinishReason.STOP if seq.stop else FinishReason.LENGTH)
+                self._end(seq, seq.n, _STOP if seq.stop else _LENGTH)
         prompt_tokens = self._admit(s)
         self.decode_steps = max(self.decode_steps, s)
         cfg = self.config
@@ -434,7 +442,7 @@ class SimEngine(BaseEngine):
         self._s0, self._t0 = s, at
         self._pf = (self._pf if again else 0.0) + cfg.prefill_s_per_token * prompt_tokens
         self._tau = cfg.decode_a_s + cfg.decode_c_s * self._n_running
-        while heap and heap[0][2].state is not _State.RUNNING:
+        while heap and heap[0][2].state != _State.RUNNING:
             heapq.heappop(heap)
         if heap and heap[0][0] < NEVER:
             self._set_timer(heap[0][0])
@@ -445,7 +453,7 @@ class SimEngine(BaseEngine):
         prompt_tokens = 0
         while waiting:
             seq = waiting[0]
-            if seq.state is not _State.WAITING:
+            if seq.state != _State.WAITING:
                 waiting.popleft()
                 continue
             if self._kv_used + seq.reserve > cap:
@@ -477,7 +485,7 @@ class SimEngine(BaseEngine):
 
     def _result(self, seq: _Seq, tokens: int, reason: FinishReason) -> GenerateResult:
         ids = _token_ids(tokens)
-        if reason is FinishReason.STOP and tokens:
+        if reason is _STOP and tokens:
             stop_ids = seq.req.sampling.stop_token_ids
             ids[-1] = stop_ids[0] if stop_ids else 0
         return GenerateResult(

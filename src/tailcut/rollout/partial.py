@@ -65,6 +65,7 @@ class PartialBuffer:
         members of their groups trained in ``step``. Returns how many were added."""
         added = 0
         finished_rewards = finished_rewards or {}
+        seen_groups: set[int] = set()
         for s in aborted:
             if s.status is not Status.ABORTED:
                 raise ValueError(
@@ -77,7 +78,9 @@ class PartialBuffer:
                 continue
             self.entries.append(PartialEntry(s, started))
             base = self.baselines.setdefault(s.group, [])
-            base.extend(float(r) for r in finished_rewards.get(s.group, ()))
+            if s.group not in seen_groups:
+                seen_groups.add(s.group)
+                base.extend(float(r) for r in finished_rewards.get(s.group, ()))
             added += 1
         return added
 

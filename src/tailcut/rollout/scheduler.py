@@ -152,13 +152,23 @@ class _StepEngine:
         return None
 
 
+# Enum members the per-sample paths use, bound once: on Python 3.11 an Enum class
+# attribute goes through ``EnumType.__getattr__`` (~5× a plain attribute).
+_STOP, _ABORT, _FAILED_REASON = FinishReason.STOP, FinishReason.ABORT, FinishReason.FAILED
+_TRUNCATING = (FinishReason.LENGTH, FinishReason.MAX_TURNS)
+_RUNNING, _COMPLETED, _TRUNCATED = Status.RUNNING, Status.COMPLETED, Status.TRUNCATED
+_ABORTED, _FAILED = Status.ABORTED, Status.FAILED
+_START, _DONE = EventKind.REQUEST_START, EventKind.REQUEST_COMPLETE
+_ABORTED_EVENT, _FAILED_EVENT = EventKind.REQUEST_ABORTED, EventKind.REQUEST_FAILED
+
+
 def _status_for(reason: FinishReason | None) -> Status:
-    if reason is FinishReason.STOP:
-        return Status.COMPLETED
-    if reason in (FinishReason.LENGTH, FinishReason.MAX_TURNS):
-        return Status.TRUNCATED
-    if reason is FinishReason.ABORT:
-        return Status.ABORTED
+    if reason is _STOP:
+        return _COMPLETED
+    if reason in _TRUNCATING:
+        return _TRUNCATED
+    if reason is _ABORT:
+        return _ABORTED
     raise ValueError(f"rollout returned without a valid finish reason ({reason!r})")
 
 
@@ -194,65 +204,65 @@ class _Step:
     # -- one sample -------------------------------------------------------------------
     async def run_one(self, sample: Sample) -> None:
         sample.launched_at = self.loop.time()
-        transition(sample, Status.RUNNING)
-        self.tracer.emit(
-            EventKind.REQUEST_START, sample.workid, index=sample.index, group=sample.group
-        )
+        transition(sample, _RUNNING)
+        workid = sample.workid
+        self.tracer.emit(_START, workid, index=sample.index, group=sample.group)
         try:
             await self.rollout(sample, self.engine, self.tracer)
         except asyncio.CancelledError:
-            self._finish(sample, Status.ABORTED)
+            self._finish(sample, workid, _ABORTED)
             raise
         except EngineDied as exc:
-            self._finish(sample, Status.FAILED, exc)
+            self._finish(sample, workid, _FAILED, exc)
             if self.fatal is None:
                 self.fatal = exc
             self.wake.set()
         except Exception as exc:
-            self._finish(sample, Status.FAILED, exc)
+            self._finish(sample, workid, _FAILED, exc)
         else:
             try:
                 status = _status_for(sample.finish_reason)
             except ValueError as exc:
-                self._finish(sample, Status.FAILED, exc)
+                self._finish(sample, workid, _FAILED, exc)
             else:
-                self._finish(sample, status)
+                self._finish(sample, workid, status)
 
-    def _finish(self, sample: Sample, status: Status, exc: BaseException | None = None) -> None:
+    def _finish(
+        self, sample: Sample, workid: str, status: Status, exc: BaseException | None = None
+    ) -> None:
         now = self.loop.time()
         sample.ended_at = now
         sample.active_request_id = None
         transition(sample, status)
-        last_rid = sample.turns[-1].request_id if sample.turns else ""
-        if status is Status.ABORTED:
-            sample.finish_reason = FinishReason.ABORT
+        if status is _ABORTED:
+            sample.finish_reason = _ABORT
             self.tracer.emit(
-                EventKind.REQUEST_ABORTED,
-                sample.workid,
+                _ABORTED_EVENT,
+                workid,
                 duration_sec=now - self.t0,
-                request_id=last_rid,
+                request_id=sample.turns[-1].request_id if sample.turns else "",
                 output_tokens=sample.generated_tokens,
                 turns=len(sample.turns),
             )
-        elif status is Status.FAILED:
-            sample.finish_reason = FinishReason.FAILED
+        elif status is _FAILED:
+            sample.finish_reason = _FAILED_REASON
             sample.error = f"{type(exc).__name__}: {exc}" if exc else "failed"
             self.tracer.emit(
-                EventKind.REQUEST_FAILED,
-                sample.workid,
+                _FAILED_EVENT,
+                workid,
                 duration_sec=now - (sample.launched_at or self.t0),
                 error=sample.error,
                 output_tokens=sample.generated_tokens,
             )
         else:
             self.tracer.emit(
-                EventKind.REQUEST_COMPLETE,
-                sample.workid,
+                _DONE,
+                workid,
                 duration_sec=now - (sample.launched_at or self.t0),
-                status=status.value,
+                status=status,  # StrEnums: traced as their values
                 turns=len(sample.turns),
                 output_tokens=sample.generated_tokens,
-                finish_reason=sample.finish_reason.value if sample.finish_reason else None,
+                finish_reason=sample.finish_reason,
             )
         self.pending -= 1
         if self.control is not None and self.control.on_sample_done is not None:
@@ -394,12 +404,18 @@ async def _send_abort(engine: Engine, ids: list[str]) -> None:
 
 
 async def _settle(step: _Step, tasks: list[asyncio.Task[None]]) -> None:
-    """Wait (bounded) for the aborted generate calls to return, then cancel stragglers."""
-    waiting = [t for t in tasks if not t.done()]
-    if waiting:
-        _, still = await asyncio.wait(waiting, timeout=step.abort_deadline_s)
-        for task in still:
-            task.cancel()
+    """Wait (bounded) for every sample to reach its terminal record (aborted generate
+    calls return, cancelled tool calls unwind), then cancel the stragglers. Waits on the
+    step's wake event, which the last sample to finish sets: no callback per task."""
+    try:
+        async with asyncio.timeout(step.abort_deadline_s):
+            while step.pending:
+                step.wake.clear()
+                await step.wake.wait()
+    except TimeoutError:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
 
 
 def _result(

@@ -28,6 +28,12 @@ from tailcut.types import (
     Turn,
 )
 
+# Enum members bound once: on Python 3.11 an Enum class attribute goes through
+# ``EnumType.__getattr__`` (~5× a plain attribute), and these run per turn.
+_ABORT, _STOP = FinishReason.ABORT, FinishReason.STOP
+_TURN_START, _TURN_END = EventKind.TURN_START, EventKind.TURN_END
+_ENGINE_CALL, _TOOL_CALL = EventKind.TURN_ENGINE_CALL, EventKind.TOOL_CALL
+
 TOOL_NAME = "scripted_tool"
 TOOL_TOKEN = 7
 """Placeholder id of the tokens a scripted tool answer adds to the context."""
@@ -40,13 +46,13 @@ class ScriptedRollout:
         self.temperature = temperature
         # Ids: a random prefix per instance and a counter (cheaper than fresh randomness),
         # fixed length like every tailcut id.
-        self._id_prefix = f"sr{secrets.token_hex(3)}-"
-        self._id_width = REQUEST_ID_LEN - len(self._id_prefix)
+        prefix = f"sr{secrets.token_hex(3)}-"
+        self._id_format = f"{prefix}{{:0{REQUEST_ID_LEN - len(prefix)}d}}".format
         self._ids = itertools.count()
         self._params: dict[int, SamplingParams] = {}
 
     def _request_id(self) -> str:
-        return f"{self._id_prefix}{next(self._ids):0{self._id_width}d}"
+        return self._id_format(next(self._ids))
 
     def _sampling(self, n: int) -> SamplingParams:
         params = self._params.get(n)
@@ -67,24 +73,24 @@ class ScriptedRollout:
         workid = sample.workid
         for k, spec in enumerate(turns):
             t_turn = loop.time()
-            tracer.emit(EventKind.TURN_START, workid, turn=k)
-            turn = await self._generate(sample, engine, tracer, k, spec.output_tokens)
-            if turn.finish_reason is FinishReason.ABORT:
-                sample.finish_reason = FinishReason.ABORT
-                tracer.emit(EventKind.TURN_END, workid, loop.time() - t_turn, turn=k)
+            tracer.emit(_TURN_START, workid, turn=k)
+            turn = await self._generate(sample, workid, engine, tracer, k, spec.output_tokens)
+            if turn.finish_reason is _ABORT:
+                sample.finish_reason = _ABORT
+                tracer.emit(_TURN_END, workid, loop.time() - t_turn, turn=k)
                 return
             if spec.tool_s > 0 or spec.tool_tokens > 0:
-                await self._tool(sample, tracer, turn, spec.tool_s, spec.tool_tokens)
-            tracer.emit(EventKind.TURN_END, workid, loop.time() - t_turn, turn=k)
-        sample.finish_reason = FinishReason.STOP
+                await self._tool(sample, workid, tracer, turn, spec.tool_s, spec.tool_tokens)
+            tracer.emit(_TURN_END, workid, loop.time() - t_turn, turn=k)
+        sample.finish_reason = _STOP
 
     async def _generate(
-        self, sample: Sample, engine: Engine, tracer: Tracer, k: int, n: int
+        self, sample: Sample, workid: str, engine: Engine, tracer: Tracer, k: int, n: int
     ) -> Turn:
         loop = asyncio.get_running_loop()
         rid = self._request_id()
         prompt = sample.prompt_ids + sample.response_ids
-        turn = Turn(index=k, request_id=rid, prompt_tokens=len(prompt))
+        turn = Turn(k, rid, len(prompt))
         sample.turns.append(turn)
         request = GenerateRequest(rid, prompt, self._sampling(n))
         t0 = loop.time()
@@ -95,26 +101,32 @@ class ScriptedRollout:
             sample.active_request_id = None
             turn.engine_s = loop.time() - t0
         out = len(result.output_ids)
+        reason = turn.finish_reason = result.finish_reason
+        version = turn.weight_version = result.weight_version
         turn.output_tokens = out
-        turn.finish_reason = result.finish_reason
-        turn.weight_version = result.weight_version
         sample.response_ids += result.output_ids
         sample.loss_mask += [1] * out
         sample.logprobs += result.logprobs if result.logprobs is not None else [0.0] * out
-        sample.versions += [result.weight_version] * out
+        sample.versions += [version] * out
         tracer.emit(
-            EventKind.TURN_ENGINE_CALL,
-            sample.workid,
+            _ENGINE_CALL,
+            workid,
             turn.engine_s,
             turn=k,
             request_id=rid,
             output_tokens=out,
-            finish_reason=result.finish_reason.value,
+            finish_reason=reason,  # a StrEnum: traced as its value
         )
         return turn
 
     async def _tool(
-        self, sample: Sample, tracer: Tracer, turn: Turn, tool_s: float, tool_tokens: int
+        self,
+        sample: Sample,
+        workid: str,
+        tracer: Tracer,
+        turn: Turn,
+        tool_s: float,
+        tool_tokens: int,
     ) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -124,8 +136,8 @@ class ScriptedRollout:
         except asyncio.CancelledError:
             turn.tool_s = loop.time() - t0
             tracer.emit(
-                EventKind.TOOL_CALL,
-                sample.workid,
+                _TOOL_CALL,
+                workid,
                 turn.tool_s,
                 turn=turn.index,
                 name=TOOL_NAME,
@@ -138,8 +150,8 @@ class ScriptedRollout:
         sample.logprobs += [0.0] * tool_tokens
         sample.versions += [-1] * tool_tokens
         tracer.emit(
-            EventKind.TOOL_CALL,
-            sample.workid,
+            _TOOL_CALL,
+            workid,
             turn.tool_s,
             turn=turn.index,
             name=TOOL_NAME,

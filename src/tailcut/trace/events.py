@@ -14,10 +14,12 @@ give the same shape of trace. Imports no torch and no asyncio.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import IO, Any
 
@@ -85,9 +87,38 @@ def validate_record(record: Mapping[str, Any], where: str = "") -> EventKind:
     return kind
 
 
+_DUMPS = json.JSONEncoder(separators=(",", ":"), default=str).encode
+# The C encoder json.dumps itself builds on every call (CPython), built once here with the
+# same settings (default=str, separators (",", ":"), ASCII output, NaN allowed) except the
+# circular-reference check: a self-containing extra recurses instead of raising ValueError.
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE = (
+    None
+    if _c_make_encoder is None
+    else _c_make_encoder(None, str, encode_basestring_ascii, None, ":", ",", False, False, True)
+)
+
+
+def _json(value: object) -> str:
+    """``json.dumps(value, separators=(",", ":"), default=str)``, without building an
+    encoder per call."""
+    if _C_ENCODE is not None:
+        return "".join(_C_ENCODE(value, 0))
+    return _DUMPS(value)  # pragma: no cover
+
+
+_KIND_JSON = {kind: encode_basestring_ascii(kind.value) for kind in EventKind}
+
+
 class Tracer:
     """Writes one worker's events for one step. Cheap: lines are buffered in memory and
-    written on ``flush``/``close`` (a few µs per event)."""
+    written on ``flush``/``close`` (a few µs per event).
+
+    A line is exactly what ``json.dumps(record, separators=(",", ":"), default=str)`` gives
+    for the record ``{"timestamp", "event", "duration_sec", "extra", "workid", "step"}``
+    (``duration_sec`` rounded to the µs, ``timestamp`` as ``datetime.isoformat`` writes the
+    UTC time), assembled by hand: the date-time part of the timestamp is formatted once
+    per second, the rest with the C JSON encoder."""
 
     def __init__(
         self,
@@ -97,12 +128,16 @@ class Tracer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
-        self.step = step
+        self.step = step  # also sets the line tail
         self.clock = clock
         self._anchor_clock = clock()
         self._anchor_wall = time.time()
         self._lines: list[str] = []
         self._file: IO[str] | None = None
+        self._second = -1
+        self._second_text = ""
+        self._last_wall = -1.0
+        self._last_stamp = ""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("w", encoding="utf-8")
@@ -121,27 +156,57 @@ class Tracer:
         return cls(path, step=step, clock=clock)
 
     @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        self._tail = f',"step":{_json(step)}}}'
+
+    @property
     def enabled(self) -> bool:
         return self._file is not None
 
     def emit(self, kind: EventKind, workid: str, duration_sec: float = 0.0, **extra: Any) -> None:
         if self._file is None:
             return
-        wall = self._anchor_wall + (self.clock() - self._anchor_clock)
+        stamp = self.timestamp(self._anchor_wall + (self.clock() - self._anchor_clock))
+        if duration_sec:  # round(0.0, 6) is 0.0: skip the work for instants
+            duration_sec = round(duration_sec, 6)
+        if type(duration_sec) is float and math.isfinite(duration_sec):
+            duration = float.__repr__(duration_sec)  # what json writes for a finite float
+        else:
+            duration = _json(duration_sec)
+        event = _KIND_JSON.get(kind) or _json(kind)
+        work = encode_basestring_ascii(workid) if type(workid) is str else _json(workid)
         self._lines.append(
-            json.dumps(
-                {
-                    "timestamp": datetime.fromtimestamp(wall, UTC).isoformat(),
-                    "event": kind.value,
-                    "duration_sec": round(duration_sec, 6),
-                    "extra": extra,
-                    "workid": workid,
-                    "step": self.step,
-                },
-                separators=(",", ":"),
-                default=str,
-            )
+            f'{{"timestamp":"{stamp}","event":{event},"duration_sec":{duration},'
+            f'"extra":{_json(extra)},"workid":{work}{self._tail}'
         )
+
+    def timestamp(self, wall: float) -> str:
+        """``datetime.fromtimestamp(wall, UTC).isoformat()``, the same string, rounded the
+        same way (half-even to the µs), with the date-time part cached per second."""
+        if wall == self._last_wall:  # events at one instant (virtual time has many)
+            return self._last_stamp
+        if not 0.0 <= wall < 1e11:  # before 1970, after 5138 or not a number: rare path
+            return datetime.fromtimestamp(wall, UTC).isoformat()
+        frac, whole = math.modf(wall)
+        micros = round(frac * 1e6)
+        second = int(whole)
+        if micros >= 1_000_000:
+            micros -= 1_000_000
+            second += 1
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        if micros:
+            stamp = f"{self._second_text}.{micros:06d}+00:00"
+        else:
+            stamp = f"{self._second_text}+00:00"
+        self._last_wall, self._last_stamp = wall, stamp
+        return stamp
 
     def flush(self) -> None:
         if self._file is None or not self._lines:

@@ -1,0 +1,209 @@
+"""Cut-off vs wait-all on the tiny arithmetic task, under one training-time budget.
+
+Trains the same model from the same seed with each rollout policy (wait-all, target-count,
+deadline; the cut ones with ``drop`` and with ``mask``), each for the same number of
+seconds of training (rollout + update + weight sync; validation excluded), and writes:
+
+* ``OUT/results.md``   — the results table (also printed);
+* ``OUT/results.json`` — the same figures, machine-readable;
+* ``OUT/val_reward_vs_time.png`` — validation reward against training wall time;
+* ``OUT/estimator_bias.png`` — each training-reward estimator's bias on audit steps;
+* ``OUT/<variant>/``   — each run's directory (metrics.jsonl, traces, plots).
+
+Usage::
+
+    python examples/cutoff_vs_waitall/run.py --budget-s 240 [--only wait-all,target-count/drop] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tailcut.train.config import load_train_config
+from tailcut.train.plots import read_metrics, series, with_wall_time
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+VARIANTS: dict[str, list[str]] = {
+    "wait-all": ["cutoff.policy=wait-all", "cutoff.audit_every=0"],
+    "target-count/drop": ["cutoff.policy=target-count", "cutoff.aborted=drop"],
+    "target-count/mask": ["cutoff.policy=target-count", "cutoff.aborted=mask"],
+    "deadline/drop": ["cutoff.policy=deadline", "cutoff.aborted=drop"],
+    "deadline/mask": ["cutoff.policy=deadline", "cutoff.aborted=mask"],
+}
+ESTIMATORS = ("completed_mean", "all_zero_filled", "group_imputed")
+
+
+def train_variant(config: Path, name: str, out: Path, budget_s: float, extra: list[str]) -> Path:
+    from tailcut.train.command import _run
+
+    run_dir = out / name.replace("/", "-")
+    overrides = [
+        *VARIANTS[name],
+        f"trainer.max_train_s={budget_s}",
+        "trainer.steps=100000",
+        f"trainer.run_dir={run_dir}",
+        "trainer.resume=never",
+        "trainer.save_every=0",
+        "trainer.loggers=[console]",
+        *extra,
+    ]
+    cfg = load_train_config(config, overrides)
+    console = Console()
+    console.rule(f"{name}: {budget_s:.0f} s of training")
+    asyncio.run(_run(cfg, console))
+    return run_dir
+
+
+def time_to_reach(rows: list[dict[str, Any]], target: float) -> float | None:
+    """Training wall time at the first validation whose reward is at least ``target``."""
+    for r in rows:
+        v = r.get("val/reward")
+        if v is not None and v >= target - 1e-9:
+            return float(r["wall_s"])
+    return None
+
+
+def summarize(runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    data = {name: with_wall_time(read_metrics(p / "metrics.jsonl")) for name, p in runs.items()}
+    base = data.get("wait-all")
+    base_final = _final_val(base) if base else None
+    out: dict[str, dict[str, Any]] = {}
+    for name, rows in data.items():
+        steps = [r for r in rows if r["step"] > 0]
+        val = [r["val/reward"] for r in rows if r.get("val/reward") is not None]
+        row: dict[str, Any] = {
+            "steps": len(steps),
+            "step_s": _mean([r["timing/step_s"] for r in steps]),
+            "rollout_s": _mean([r["timing/rollout_s"] for r in steps]),
+            "aborted_ratio": _mean([r["rollout/aborted_ratio"] for r in steps]),
+            "val_start": val[0] if val else None,
+            "val_final": val[-1] if val else None,
+            "val_best": max(val) if val else None,
+        }
+        if base_final is not None:
+            reach = time_to_reach(rows, base_final)
+            base_reach = time_to_reach(base, base_final) if base else None
+            row["time_to_waitall_final_s"] = reach
+            row["time_ratio_vs_waitall"] = reach / base_reach if reach and base_reach else None
+        for est in ESTIMATORS:
+            bias = [r[f"bias/{est}"] for r in steps if r.get(f"bias/{est}") is not None]
+            row[f"bias_{est}"] = _mean(bias) if bias else None
+        out[name] = row
+    return out
+
+
+def _final_val(rows: list[dict[str, Any]] | None) -> float | None:
+    vals = [r["val/reward"] for r in rows or [] if r.get("val/reward") is not None]
+    return vals[-1] if vals else None
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    return format(v, spec)
+
+
+def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
+    lines = [
+        f"Budget: {budget_s:.0f} s of training per variant (validation excluded).",
+        "",
+        "| variant | steps | s/step | rollout s/step | aborted | val start | val final | "
+        "time to wait-all's final val (s) | ratio vs wait-all | bias completed | "
+        "bias zero-filled | bias imputed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in summary.items():
+        lines.append(
+            f"| {name} | {r['steps']} | {_fmt(r['step_s'], '.1f')} | {_fmt(r['rollout_s'], '.1f')} | "
+            f"{_fmt(r['aborted_ratio'], '.0%')} | {_fmt(r['val_start'])} | {_fmt(r['val_final'])} | "
+            f"{_fmt(r.get('time_to_waitall_final_s'), '.0f')} | {_fmt(r.get('time_ratio_vs_waitall'), '.2f')} | "
+            f"{_fmt(r['bias_completed_mean'], '+.3f')} | {_fmt(r['bias_all_zero_filled'], '+.3f')} | "
+            f"{_fmt(r['bias_group_imputed'], '+.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(runs: dict[str, Path], summary: dict[str, dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, path in runs.items():
+        xs, ys = series(
+            with_wall_time(read_metrics(path / "metrics.jsonl")), "val/reward", "wall_s"
+        )
+        ax.plot(
+            xs,
+            ys,
+            marker="o",
+            markersize=3,
+            label=name,
+            linestyle="-" if "mask" not in name else "--",
+        )
+    ax.set_xlabel("training wall time (s, validation excluded)")
+    ax.set_ylabel("validation reward (greedy, never cut)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "val_reward_vs_time.png", dpi=120)
+    plt.close(fig)
+    cut = [n for n in summary if n != "wait-all"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.25
+    for k, est in enumerate(ESTIMATORS):
+        vals = [summary[n][f"bias_{est}"] or 0.0 for n in cut]
+        ax.bar([i + (k - 1) * width for i in range(len(cut))], vals, width, label=est)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cut)), cut, fontsize=8)
+    ax.set_ylabel("estimator − audited truth")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "estimator_bias.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "arith-tiny.yaml")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cutoff_vs_waitall")
+    ap.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    ap.add_argument("--summarize-only", action="store_true", help="re-read finished runs")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--only: unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+    runs: dict[str, Path] = {}
+    for name in names:
+        run_dir = args.out / name.replace("/", "-")
+        if not args.summarize_only:
+            train_variant(args.config, name, args.out, args.budget_s, args.overrides)
+        runs[name] = run_dir
+    summary = summarize(runs)
+    text = table(summary, args.budget_s)
+    (args.out / "results.md").write_text(text, encoding="utf-8")
+    (args.out / "results.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    plots(runs, summary, args.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

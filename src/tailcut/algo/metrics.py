@@ -1,0 +1,164 @@
+"""Per-step metrics: the three training-reward estimators, their audited bias, rollout figures.
+
+Pure and torch-free. Why three reward estimators: a cut step has no reward for its aborted
+samples, and those are not a random subset (they are the slow, long, often hard ones).
+
+* ``reward/completed_mean``  — mean over finished samples (COMPLETED + TRUNCATED) only;
+  biased towards easy/short trajectories (usually upwards).
+* ``reward/all_zero_filled`` — aborted samples counted as reward 0; biased downwards.
+* ``reward/group_imputed``   — an aborted sample gets the mean reward of the finished members
+  of its own group (its prompt), or ``completed_mean`` when none of its group finished.
+
+FAILED samples are errors, not data: they are excluded from all three (and counted).
+On an audit step (``cutoff.audit_every``) the step runs uncut, so its plain mean is the truth
+(``reward/audit_mean``); :func:`audit_bias` replays the cut on it (the earliest finishers are
+kept, the rest treated as aborted) and reports ``estimator − truth`` for each estimator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tailcut.types import Sample, Status
+
+FINISHED = (Status.COMPLETED, Status.TRUNCATED)
+
+
+class StepLike(Protocol):
+    """The parts of the scheduler's step result that metrics read."""
+
+    @property
+    def samples(self) -> list[Sample]: ...
+
+    @property
+    def step_time_s(self) -> float: ...
+
+    @property
+    def cut_time_s(self) -> float | None: ...
+
+    @property
+    def wasted_tokens(self) -> int: ...
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return math.fsum(xs) / len(xs) if xs else 0.0
+
+
+def _reward(s: Sample) -> float:
+    return float(s.reward) if s.reward is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RewardEstimates:
+    completed_mean: float
+    all_zero_filled: float
+    group_imputed: float
+    n_finished: int
+    n_aborted: int
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "reward/completed_mean": self.completed_mean,
+            "reward/all_zero_filled": self.all_zero_filled,
+            "reward/group_imputed": self.group_imputed,
+        }
+
+
+def estimate_rewards(
+    samples: Sequence[Sample], aborted: Sequence[bool] | None = None
+) -> RewardEstimates:
+    """The three estimators over one step's samples.
+
+    ``aborted`` overrides which samples count as aborted (used to replay a cut on an uncut
+    audit step); by default a sample is aborted when its status is ABORTED.
+    """
+    if aborted is None:
+        aborted = [s.status is Status.ABORTED for s in samples]
+    done: list[Sample] = []
+    cut: list[Sample] = []
+    for s, a in zip(samples, aborted, strict=True):
+        if a:
+            cut.append(s)
+        elif s.status in FINISHED:
+            done.append(s)
+    done_r = [_reward(s) for s in done]
+    completed = _mean(done_r)
+    total = len(done) + len(cut)
+    zero_filled = math.fsum(done_r) / total if total else 0.0
+    by_group: dict[int, list[float]] = {}
+    for s, r in zip(done, done_r, strict=True):
+        by_group.setdefault(s.group, []).append(r)
+    imputed = [_mean(by_group[s.group]) if s.group in by_group else completed for s in cut]
+    group_imputed = (math.fsum(done_r) + math.fsum(imputed)) / total if total else 0.0
+    return RewardEstimates(completed, zero_filled, group_imputed, len(done), len(cut))
+
+
+def audit_bias(samples: Sequence[Sample], n_keep: int) -> dict[str, float]:
+    """On an uncut step: the truth, and each estimator's bias had the step kept ``n_keep``.
+
+    The counterfactual keeps the ``n_keep`` earliest finishers (by ``ended_at``) and treats
+    every other finished sample as aborted.
+    """
+    finished = [s for s in samples if s.status in FINISHED]
+    truth = _mean([_reward(s) for s in finished])
+    order = sorted(finished, key=lambda s: (s.ended_at if s.ended_at is not None else 0.0, s.index))
+    late = {s.index for s in order[max(0, n_keep) :]}
+    est = estimate_rewards(finished, [s.index in late for s in finished])
+    out = {"reward/audit_mean": truth}
+    for key, value in est.as_metrics().items():
+        out[f"bias/{key.removeprefix('reward/')}"] = value - truth
+    return out
+
+
+def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str, float]:
+    """Rollout figures of one step (see the trainer's metric list)."""
+    samples = step.samples
+    n = len(samples)
+    status_count = dict.fromkeys(Status, 0)
+    for s in samples:
+        status_count[s.status] += 1
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    complete_groups = sum(all(m.status in FINISHED for m in g) for g in groups.values())
+    member_frac = _mean([sum(m.status in FINISHED for m in g) / len(g) for g in groups.values()])
+    turns = [len(s.turns) for s in samples if s.status in FINISHED]
+    engine_s = math.fsum(t.engine_s for s in samples for t in s.turns)
+    tool_s = math.fsum(t.tool_s for s in samples for t in s.turns)
+    out = {
+        "rollout/launched": float(n),
+        "rollout/completed": float(status_count[Status.COMPLETED]),
+        "rollout/truncated": float(status_count[Status.TRUNCATED]),
+        "rollout/aborted": float(status_count[Status.ABORTED]),
+        "rollout/failed": float(status_count[Status.FAILED]),
+        "rollout/aborted_ratio": status_count[Status.ABORTED] / n if n else 0.0,
+        "rollout/wasted_tokens": float(step.wasted_tokens),
+        "rollout/step_time_s": step.step_time_s,
+        "rollout/group_complete_frac": complete_groups / len(groups) if groups else 0.0,
+        "rollout/group_member_frac": member_frac,
+        "rollout/turns_mean": _mean(turns),
+        "rollout/tool_calls": float(sum(t.tool_calls for s in samples for t in s.turns)),
+        "rollout/tool_errors": float(sum(t.tool_errors for s in samples for t in s.turns)),
+        "rollout/generated_tokens": float(sum(s.generated_tokens for s in samples)),
+        "rollout/engine_s_sum": engine_s,
+        "rollout/tool_s_sum": tool_s,
+        "rollout/generation_share": engine_s / (engine_s + tool_s) if engine_s + tool_s else 0.0,
+    }
+    if step.cut_time_s is not None:
+        out["rollout/cut_time_s"] = step.cut_time_s
+    if n_keep_audit is not None:
+        out["rollout/speedup_est"] = speedup_estimate(samples, n_keep_audit, step.step_time_s)
+    return out
+
+
+def speedup_estimate(samples: Sequence[Sample], n_keep: int, wait_all_s: float) -> float:
+    """On an uncut step: its wait-all time over the time its ``n_keep``-th finisher ended."""
+    starts = [s.launched_at for s in samples if s.launched_at is not None]
+    ends = sorted(s.ended_at for s in samples if s.status in FINISHED and s.ended_at is not None)
+    if not ends or not starts or n_keep <= 0:
+        return 1.0
+    cut_at = ends[min(n_keep, len(ends)) - 1] - min(starts)
+    return wait_all_s / cut_at if cut_at > 0 else 1.0

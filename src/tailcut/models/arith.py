@@ -1,0 +1,211 @@
+"""The synthetic arithmetic word-problem task of the built-in model.
+
+A problem is a start value and a chain of steps, one line each, each step opened by its
+ordinal::
+
+    A jar holds 12 shells.
+    First add 7.
+    Second double it.
+    How many shells are in the jar now?
+
+The solution is a multi-turn conversation: for each step the assistant repeats the step's
+line (its brief reasoning) and calls the ``calculator`` tool with one binary expression on
+the running value; the tool answers with the new value; after the last step the assistant
+answers ``#### <value>``. The ordinal right before each step's verb makes the line easy to
+find, which a model of a few hundred thousand parameters learns within its short training.
+The number of steps is heavy-tailed (a power law
+over 1..``max_steps``), so most trajectories are short and a few are long: the long tail a
+rollout step has to cut. Everything here is pure Python and seeded, so the same seed gives
+the same problems on every machine.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from tailcut.chat.parser import format_tool_call
+from tailcut.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
+from tailcut.tools.calculator import TOOL_NAME
+
+DATA_SOURCE = "tailcut/arith"
+SYSTEM_PROMPT = (
+    "Solve the problem with the calculator, one step at a time. End with #### and the answer."
+)
+
+ORDINALS = (
+    "First", "Second", "Third", "Fourth", "Fifth", "Sixth",
+    "Seventh", "Eighth", "Ninth", "Tenth", "Eleventh", "Twelfth",
+)  # fmt: skip
+CONTAINERS = ("box", "bag", "jar", "basket", "tin")
+ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "pens", "shells", "stamps")
+MAX_VALUE = 999
+"""Values stay below this so the numbers the model copies stay short."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    sentence: str
+    """The line of the problem, e.g. ``Second add 7.``"""
+    op: str
+    """``+``, ``-``, ``*`` or ``/``."""
+    operand: int
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    container: str
+    item: str
+    start: int
+    steps: tuple[Step, ...]
+
+    @property
+    def values(self) -> list[int]:
+        """The running value after the start and after each step."""
+        out = [self.start]
+        for step in self.steps:
+            out.append(apply(out[-1], step.op, step.operand))
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values[-1]
+
+    @property
+    def question(self) -> str:
+        lines = [f"A {self.container} holds {self.start} {self.item}."]
+        lines += [s.sentence for s in self.steps]
+        lines.append(f"How many {self.item} are in the {self.container} now?")
+        return "\n".join(lines)
+
+
+def apply(value: int, op: str, operand: int) -> int:
+    if op == "+":
+        return value + operand
+    if op == "-":
+        return value - operand
+    if op == "*":
+        return value * operand
+    if op == "/":
+        if operand == 0 or value % operand:
+            raise ValueError(f"{value} / {operand} is not a whole number")
+        return value // operand
+    raise ValueError(f"unknown operation {op!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskConfig:
+    """How problems are drawn (part of the model's build recipe)."""
+
+    max_steps: int = 10
+    """Most steps (tool calls) a problem has (at most 12, one per ordinal)."""
+    tail_alpha: float = 1.1
+    """P(k steps) is proportional to k**-tail_alpha: a larger alpha, a lighter tail."""
+    max_start: int = 20
+    max_operand: int = 9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_steps <= len(ORDINALS):
+            raise ValueError(f"max_steps must be in 1..{len(ORDINALS)}, got {self.max_steps}")
+        if not 0.0 <= self.tail_alpha <= 10.0:
+            raise ValueError(f"tail_alpha must be in 0..10, got {self.tail_alpha}")
+        if not 2 <= self.max_start <= 500 or not 2 <= self.max_operand <= 500:
+            raise ValueError("max_start and max_operand must be in 2..500")
+
+
+def sample_num_steps(rng: random.Random, cfg: TaskConfig) -> int:
+    ks = range(1, cfg.max_steps + 1)
+    return rng.choices(ks, weights=[k**-cfg.tail_alpha for k in ks])[0]
+
+
+def _step(rng: random.Random, value: int, ordinal: str, cfg: TaskConfig) -> Step:
+    """A random step on ``value``, its line opened by ``ordinal``."""
+    kinds = ["add", "add"] if value < MAX_VALUE else []
+    if value >= 2:
+        kinds += ["sub", "sub"]
+    if 0 < value * 3 <= MAX_VALUE:
+        kinds.append("mul")
+    if value >= 2 and value % 2 == 0:
+        kinds.append("half")
+    kind = rng.choice(kinds)
+    if kind == "add":
+        n = rng.randint(1, min(cfg.max_operand, MAX_VALUE - value))
+        return Step(f"{ordinal} add {n}.", "+", n)
+    if kind == "sub":
+        n = rng.randint(1, min(cfg.max_operand, value - 1))
+        return Step(f"{ordinal} remove {n}.", "-", n)
+    if kind == "mul":
+        factor = rng.choice((2, 3)) if value * 3 <= MAX_VALUE else 2
+        word = "double" if factor == 2 else "triple"
+        return Step(f"{ordinal} {word} it.", "*", factor)
+    return Step(f"{ordinal} halve it.", "/", 2)
+
+
+def generate_problem(
+    rng: random.Random, cfg: TaskConfig | None = None, n_steps: int | None = None
+) -> Problem:
+    """One problem; ``n_steps`` fixes the number of steps (else drawn from the tail)."""
+    cfg = cfg or TaskConfig()
+    container = rng.choice(CONTAINERS)
+    item = rng.choice(ITEMS)
+    start = rng.randint(2, cfg.max_start)
+    k = n_steps if n_steps is not None else sample_num_steps(rng, cfg)
+    steps: list[Step] = []
+    value = start
+    for i in range(k):
+        step = _step(rng, value, ORDINALS[i], cfg)
+        steps.append(step)
+        value = apply(value, step.op, step.operand)
+    return Problem(container, item, start, tuple(steps))
+
+
+def generate_problems(seed: int, n: int, cfg: TaskConfig | None = None) -> list[Problem]:
+    rng = random.Random(seed)
+    return [generate_problem(rng, cfg) for _ in range(n)]
+
+
+def tools() -> list[dict[str, Any]]:
+    """The tool schemas the prompts are rendered with."""
+    return [CALCULATOR_SCHEMA]
+
+
+def prompt_messages(problem: Problem) -> list[dict[str, Any]]:
+    """The prompt (system + user) given to the policy."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": problem.question},
+    ]
+
+
+def expression(value: int, step: Step) -> str:
+    return f"{value} {step.op} {step.operand}"
+
+
+def tool_call_text(expr: str) -> str:
+    """The hermes-style tool call the assistant writes (what Qwen2.5's template renders)."""
+    return format_tool_call(TOOL_NAME, {"expression": expr})
+
+
+def solution_messages(problem: Problem) -> list[dict[str, Any]]:
+    """The reference solution: one assistant + tool message pair per step, then the answer.
+
+    Assistant messages carry their tool call as text, exactly as the model writes it, so
+    rendering them with the chat template gives the token stream the model is trained on.
+    """
+    out: list[dict[str, Any]] = []
+    values = problem.values
+    for i, step in enumerate(problem.steps):
+        out.append(
+            {
+                "role": "assistant",
+                "content": f"{step.sentence}\n{tool_call_text(expression(values[i], step))}",
+            }
+        )
+        out.append({"role": "tool", "content": str(values[i + 1])})
+    out.append({"role": "assistant", "content": f"#### {problem.answer}"})
+    return out
+
+
+def conversation(problem: Problem) -> list[dict[str, Any]]:
+    return prompt_messages(problem) + solution_messages(problem)

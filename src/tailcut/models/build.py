@@ -1,0 +1,297 @@
+"""Build the built-in tiny model: tokenizer, Qwen2 weights, SFT, a standard HF directory.
+
+The build is a pure function of its :class:`ModelRecipe`: problems are drawn from seeded
+generators, the weights are initialised from a fixed seed, training runs with a fixed
+thread count in torch's deterministic mode, so the same recipe gives the same files (on
+the same CPU kind and torch version). Results are cached under
+``$TAILCUT_CACHE/models/<hash>`` (default ``~/.cache/tailcut``), ``<hash>`` being the
+content hash of the recipe, the chat template and the build code's version.
+
+The directory holds ``config.json`` (``Qwen2ForCausalLM``, vocabulary padded to a multiple
+of 64, tied embeddings), ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json`` (with the chat template) and
+``tailcut_build.json`` (the recipe, the hash, the loss curve and the held-out accuracy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tailcut.chat.template import CHAT_TEMPLATE, END_OF_TEXT, IM_END
+
+BUILD_VERSION = 1
+"""Bump when the build code changes what a recipe produces."""
+BUILD_INFO = "tailcut_build.json"
+THREADS = 2
+"""Intra-op threads during the build (results depend on it, so it is fixed)."""
+
+
+class ModelRecipe(BaseModel):
+    """Everything that decides the built model's files."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    seed: int = Field(0, ge=0)
+    """Seed of the training problems, weight init and batch order."""
+    max_steps: int = Field(10, ge=1, le=12)
+    """Most steps (tool calls) of a problem."""
+    tail_alpha: float = Field(1.3, ge=0.0, le=10.0)
+    """P(k steps) ∝ k**-tail_alpha for the training and held-out problems (a lighter tail
+    than the task's default makes training cheaper; longer problems are then rarer and
+    solved less often)."""
+    tokenizer_vocab: int = Field(1024, ge=300, le=65536)
+    """Target vocabulary of the BPE (it stops earlier when no pair repeats)."""
+    tokenizer_problems: int = Field(2000, ge=10)
+    """Conversations the tokenizer is trained on."""
+    hidden_size: int = Field(64, ge=16, le=4096)
+    intermediate_size: int = Field(192, ge=16, le=16384)
+    num_layers: int = Field(3, ge=1, le=64)
+    num_heads: int = Field(2, ge=1, le=64)
+    num_kv_heads: int = Field(2, ge=1, le=64)
+    max_position_embeddings: int = Field(4096, ge=128, le=131072)
+    init_std: float = Field(0.1, gt=0.0, le=1.0)
+    """Standard deviation of the initial weights."""
+    train_problems: int = Field(20000, ge=10)
+    """Distinct training conversations (drawn once, cycled through)."""
+    steps: int = Field(400, ge=1)
+    """SFT optimizer steps."""
+    batch_size: int = Field(16, ge=1, le=1024)
+    lr: float = Field(1e-2, gt=0.0, le=1.0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    eval_problems: int = Field(256, ge=1)
+    """Held-out problems the greedy accuracy is measured on."""
+    eval_seed: int = Field(1_000_003, ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    path: Path
+    hash: str
+    cached: bool
+    info: dict[str, Any]
+
+
+def recipe_hash(recipe: ModelRecipe) -> str:
+    payload = json.dumps(
+        {
+            "recipe": recipe.model_dump(mode="json"),
+            "template": CHAT_TEMPLATE,
+            "version": BUILD_VERSION,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TAILCUT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tailcut"
+
+
+def default_model_dir(recipe: ModelRecipe | None = None) -> Path:
+    return cache_root() / "models" / recipe_hash(recipe or ModelRecipe())
+
+
+def is_built(path: Path, recipe: ModelRecipe) -> bool:
+    info = path / BUILD_INFO
+    if not info.is_file() or not (path / "model.safetensors").is_file():
+        return False
+    try:
+        return json.loads(info.read_text(encoding="utf-8")).get("hash") == recipe_hash(recipe)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _task(recipe: ModelRecipe) -> Any:
+    from tailcut.models.arith import TaskConfig
+
+    return TaskConfig(max_steps=recipe.max_steps, tail_alpha=recipe.tail_alpha)
+
+
+def _deterministic(seed: int) -> None:
+    import torch
+
+    torch.set_num_threads(THREADS)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+
+
+def _build_tokenizer(recipe: ModelRecipe, out: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from tailcut.models import arith
+    from tailcut.models.tokenizer import chat_renderer, save_tokenizer, train_tokenizer
+
+    render = chat_renderer()
+    problems = arith.generate_problems(recipe.seed + 1, recipe.tokenizer_problems, _task(recipe))
+    texts = [render(arith.conversation(p), arith.tools()) for p in problems]
+    save_tokenizer(train_tokenizer(texts, recipe.tokenizer_vocab), out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def padded_vocab(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _new_model(recipe: ModelRecipe, tokenizer: Any) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    pad = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    config = Qwen2Config(
+        vocab_size=padded_vocab(len(tokenizer)),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        initializer_range=recipe.init_std,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _generation_config(tokenizer: Any) -> Any:
+    from transformers import GenerationConfig
+
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    pad = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    return GenerationConfig(
+        bos_token_id=pad,
+        eos_token_id=[eos, pad],
+        pad_token_id=pad,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+    )
+
+
+Progress = Callable[[str, float], None]
+"""Called with a phase name and its fraction done (0..1)."""
+
+
+def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) -> list[float]:
+    from tailcut.models import arith
+    from tailcut.models.sft import TrainConfig, encode_conversations, train
+    from tailcut.models.tokenizer import chat_renderer
+
+    render = chat_renderer()
+    n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
+    problems = arith.generate_problems(recipe.seed, n, _task(recipe))
+    data = encode_conversations(
+        tokenizer, [render(arith.conversation(p), arith.tools()) for p in problems]
+    )
+    cfg = TrainConfig(
+        steps=recipe.steps,
+        batch_size=recipe.batch_size,
+        lr=recipe.lr,
+        warmup_steps=recipe.warmup_steps,
+        weight_decay=recipe.weight_decay,
+        seed=recipe.seed,
+    )
+    return train(
+        model,
+        data,
+        cfg,
+        tokenizer.pad_token_id,
+        lambda s, _loss: progress("train", (s + 1) / cfg.steps),
+    )
+
+
+def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Build the model into ``out`` (replaced atomically); return the build info."""
+    from tailcut.models import arith
+    from tailcut.models.evaluate import greedy_accuracy
+
+    report = progress or (lambda _phase, _frac: None)
+    started = time.monotonic()
+    _deterministic(recipe.seed)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        report("tokenizer", 0.0)
+        tokenizer = _build_tokenizer(recipe, tmp)
+        model = _new_model(recipe, tokenizer)
+        losses = _train(recipe, model, tokenizer, report)
+        report("eval", 0.0)
+        held_out = arith.generate_problems(recipe.eval_seed, recipe.eval_problems, _task(recipe))
+        ev = greedy_accuracy(model, tokenizer, held_out)
+        model.save_pretrained(tmp)
+        _generation_config(tokenizer).save_pretrained(tmp)
+        info = {
+            "hash": recipe_hash(recipe),
+            "build_version": BUILD_VERSION,
+            "recipe": recipe.model_dump(mode="json"),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "accuracy": ev.accuracy,
+            "accuracy_by_steps": [{"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps()],
+            "build_seconds": round(time.monotonic() - started, 1),
+        }
+        (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+def ensure_built(
+    recipe: ModelRecipe | None = None,
+    out: Path | None = None,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """The model directory for ``recipe``, built unless a matching build is there."""
+    recipe = recipe or ModelRecipe()
+    path = Path(out) if out is not None else default_model_dir(recipe)
+    if not force and is_built(path, recipe):
+        return _cached(path)
+    with _build_lock(path):
+        if not force and is_built(path, recipe):  # another process built it meanwhile
+            return _cached(path)
+        info = build(recipe, path, progress)
+    return BuildResult(path, info["hash"], False, info)
+
+
+def _cached(path: Path) -> BuildResult:
+    info = json.loads((path / BUILD_INFO).read_text(encoding="utf-8"))
+    return BuildResult(path, info["hash"], True, info)
+
+
+@contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock per output directory, so concurrent callers build it once."""
+    import fcntl
+
+    locks = cache_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with open(locks / f"{key}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

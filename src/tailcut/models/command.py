@@ -1,0 +1,121 @@
+"""``tailcut model``: build and locate the built-in model; ``resolve_model`` for engines.
+
+``resolve_model("builtin")`` returns the cached build of the default recipe, building it
+first when it is missing (a file lock keeps concurrent callers from building twice); any
+other value must be a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from tailcut.models.build import BuildResult, Progress
+
+BUILTIN = "builtin"
+
+model_app = typer.Typer(
+    name="model",
+    help="Build and locate the built-in tiny model.",
+    no_args_is_help=True,
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec that is neither ``builtin`` nor a model directory."""
+
+
+def resolve_model(spec: str | Path, *, progress: Progress | None = None) -> Path:
+    """The model directory for ``spec``: ``builtin`` (built if missing) or a directory."""
+    if str(spec) == BUILTIN:
+        from tailcut.models.build import ensure_built
+
+        return ensure_built(progress=progress).path
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model {str(spec)!r}: no such directory (give 'builtin' or a Hugging Face model directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model {str(spec)!r}: {path / 'config.json'} is missing")
+    return path
+
+
+def _progress_bar() -> tuple[Any, Progress]:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description:<9}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(), transient=True, console=Console(stderr=True),
+    )  # fmt: skip
+    tasks: dict[str, Any] = {}
+
+    def update(phase: str, fraction: float) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=1.0)
+        bar.update(tasks[phase], completed=fraction)
+
+    return bar, update
+
+
+def _summary(result: BuildResult) -> Any:
+    from rich.table import Table
+
+    info = result.info
+    table = Table(
+        title="built-in model" + (" (cached)" if result.cached else ""), show_header=False
+    )
+    table.add_row("path", str(result.path))
+    table.add_row("hash", result.hash)
+    table.add_row("parameters", f"{info['parameters']:,}")
+    table.add_row(
+        "build time", f"{info['build_seconds']:.0f} s" + (" (earlier)" if result.cached else "")
+    )
+    table.add_row("final SFT loss", f"{info['final_loss']:.3f}")
+    table.add_row(
+        "greedy accuracy",
+        f"{info['accuracy']:.1%} on {info['recipe']['eval_problems']} held-out problems",
+    )
+    for row in info["accuracy_by_steps"]:
+        table.add_row(f"  {row['steps']} step(s)", f"{row['accuracy']:.1%} (n={row['n']})")
+    return table
+
+
+@model_app.command("init")
+def init(
+    out: Annotated[
+        Path | None, typer.Option(help="Directory to write the model to (default: the cache).")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a matching build exists.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the build info as JSON.")] = False,
+) -> None:
+    """Build the built-in model (tokenizer, SFT on the arithmetic task) deterministically."""
+    from rich.console import Console
+
+    from tailcut.models.build import ensure_built
+
+    console = Console(stderr=as_json)
+    bar, update = _progress_bar()
+    with bar:
+        result = ensure_built(out=out, force=force, progress=update)
+    if as_json:
+        typer.echo(json.dumps({"path": str(result.path), "cached": result.cached, **result.info}))
+        return
+    console.print(_summary(result))
+
+
+@model_app.command("path")
+def path(
+    spec: Annotated[str, typer.Argument(help="'builtin' or a model directory.")] = BUILTIN,
+) -> None:
+    """Print the model directory (building the built-in model if it is missing)."""
+    try:
+        typer.echo(str(resolve_model(spec)))
+    except ModelNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,366 @@
+"""``tailcut rollout``: one over-sampled, multi-turn rollout step on a real model.
+
+Loads a verl-format parquet file, launches the requests the cut-off policy asks for
+through the agent loop (tools from ``--tools``, else ``tools.yaml`` beside the data, else
+the tools the rows name), runs one step with :func:`~tailcut.rollout.scheduler.run_step`,
+and prints what happened: completed / aborted / failed, wasted tokens, tokens generated
+after an abort, KV blocks still in use, step and cut times, rewards, and the tail of the
+step as ``tailcut report`` shows it (read back from the step's trace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, cast
+
+import typer
+
+POLICIES = ("wait-all", "target-count", "over-provision", "group-quota", "deadline")
+ENGINES = ("hf", "sim", "sglang", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutOptions:
+    engine: str
+    model: str
+    data: Path
+    requests: int
+    policy: str
+    group_size: int = 1
+    abort_ratio: float = 0.1
+    over_provision: float = 0.1
+    deadline_s: float | None = None
+    tools: Path | None = None
+    urls: tuple[str, ...] = ()
+    device: str = "auto"
+    max_turns: int = 12
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    max_batch_size: int = 64
+    abort_deadline_s: float = 5.0
+    seed: int = 0
+
+
+def make_samples(rows: list[Any], n_launch: int, group_size: int, seed: int) -> list[Any]:
+    """``n_launch`` samples, ``group_size`` per prompt; prompts drawn in a seeded order."""
+    import random
+
+    from tailcut.types import Sample
+
+    n_groups = math.ceil(n_launch / group_size)
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    samples = []
+    for i in range(n_launch):
+        group = i // group_size
+        row = rows[order[group % len(order)]]
+        data = row.as_data()
+        # verl's columns too, which the reward functions read.
+        data["reward_model"] = {
+            "style": row.reward_style or "rule",
+            "ground_truth": row.ground_truth,
+        }
+        data["extra_info"] = row.extra_info
+        samples.append(Sample(index=i, group=group, data=data))
+    assert n_groups == samples[-1].group + 1
+    return samples
+
+
+def make_toolset(opts: RolloutOptions, rows: list[Any]) -> Any:
+    """``--tools``, else ``tools.yaml`` beside the data, else the tools the rows name."""
+    from tailcut.tools.base import ToolSet
+    from tailcut.tools.registry import load_tool_config
+
+    path = opts.tools or (opts.data.parent / "tools.yaml")
+    if opts.tools is not None or path.is_file():
+        return load_tool_config(path)
+    tools: dict[str, Any] = {}
+    for name in sorted({n for r in rows for n in r.tools_kwargs}):
+        if name == "calculator":
+            from tailcut.tools.calculator import CalculatorTool
+
+            tools[name] = CalculatorTool()
+        elif name == "calc_gsm8k_reward":
+            from tailcut.tools.gsm8k import Gsm8kTool
+
+            tools[name] = Gsm8kTool()
+    return ToolSet(tools)
+
+
+def make_reward(registry: Any, data_sources: set[str]) -> tuple[Any, str | None]:
+    """The agent loop's reward fn, or None (with the reason) when a data source has none."""
+    from tailcut.models.arith import DATA_SOURCE as ARITH
+    from tailcut.reward.registry import RewardError, sample_reward_fn
+
+    name = None
+    for source in sorted(data_sources):
+        try:
+            registry.resolve(None, source)
+        except RewardError as exc:
+            if source != ARITH:
+                return None, str(exc)
+            name = "gsm8k"  # the arithmetic task answers after '####', as GSM8K does
+    return sample_reward_fn(registry, name), None
+
+
+async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
+    """Run one step; return the summary (the trace goes to ``trace_dir``)."""
+    from transformers import AutoTokenizer
+
+    from tailcut.chat.template import ChatTokenizer
+    from tailcut.config import AgentLoopConfig, CutoffConfig, EngineConfig, HFEngineConfig
+    from tailcut.data.verl import load_prompts
+    from tailcut.engine.factory import make_engine
+    from tailcut.models.command import resolve_model
+    from tailcut.reward.registry import default_registry
+    from tailcut.rollout.agent_loop import AgentLoop
+    from tailcut.rollout.cutoff import make_policy
+    from tailcut.rollout.scheduler import run_step
+    from tailcut.trace.events import Tracer
+
+    model_dir = resolve_model(opts.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = load_prompts(opts.data)
+    cutoff = CutoffConfig(
+        policy=opts.policy,
+        abort_ratio=opts.abort_ratio,
+        over_provision=opts.over_provision,
+        deadline_s=opts.deadline_s,
+    )
+    policy = make_policy(cutoff, opts.requests, opts.group_size)
+    samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
+    registry = default_registry(math_workers=1)
+    reward_fn, no_reward = make_reward(registry, {r.data_source for r in prompts.rows})
+    agent = AgentLoop(
+        cast(ChatTokenizer, tokenizer),
+        AgentLoopConfig(
+            max_turns=opts.max_turns,
+            max_new_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+        ),
+        toolset=make_toolset(opts, prompts.rows),
+        reward_fn=reward_fn,
+    )
+    engine = make_engine(
+        EngineConfig(
+            kind=opts.engine,
+            model=str(model_dir),
+            urls=list(opts.urls),
+            device=opts.device,
+            max_batch_size=opts.max_batch_size,
+            abort_deadline_s=opts.abort_deadline_s,
+            hf=HFEngineConfig(seed=opts.seed),
+        )
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        with Tracer.for_step(trace_dir, 0, 0, clock=loop.time) as tracer:
+            result = await run_step(
+                engine, samples, agent, policy, tracer, abort_deadline_s=opts.abort_deadline_s
+            )
+        stats = await engine.stats()
+        left = await engine.in_flight()
+    finally:
+        await engine.aclose()
+        await registry.aclose()
+    return summarize(opts, model_dir, result, stats, left, no_reward)
+
+
+def summarize(
+    opts: RolloutOptions,
+    model_dir: Path,
+    result: Any,
+    stats: Any,
+    left: list[str],
+    no_reward: str | None,
+) -> dict[str, Any]:
+    from tailcut.types import Status
+
+    kept = result.kept_samples()
+    rewards = [s.reward for s in kept if s.reward is not None]
+    errors = [f"sample {s.index}: {s.error}" for s in result.samples if s.status is Status.FAILED]
+    return {
+        "engine": opts.engine,
+        "model": str(model_dir),
+        "data": str(opts.data),
+        "policy": opts.policy,
+        "requests": opts.requests,
+        "launched": len(result.samples),
+        "target": result.target_completion,
+        "kept": len(result.kept),
+        "completed": result.counts.get(Status.COMPLETED, 0),
+        "truncated": result.counts.get(Status.TRUNCATED, 0),
+        "aborted": result.aborted,
+        "failed": result.failed,
+        "generated_tokens": sum(s.generated_tokens for s in result.samples),
+        "wasted_tokens": result.wasted_tokens,
+        "tokens_after_abort": stats.tokens_after_abort,
+        "kv_blocks_in_use_after": stats.kv_blocks_in_use,
+        "in_flight_after": len(left),
+        "step_time_s": result.step_time_s,
+        "cut_time_s": result.cut_time_s,
+        "cut_reason": result.cut_reason,
+        "abort_to_idle_s": result.abort_to_idle_s,
+        "abort_rounds": result.abort_rounds,
+        "reward_mean_kept": sum(rewards) / len(rewards) if rewards else None,
+        "reward_note": no_reward,
+        "mean_turns_kept": sum(len(s.turns) for s in kept) / len(kept) if kept else None,
+        "errors": errors[:10],
+    }
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.3f}{unit}"
+    return f"{value:,}{unit}" if isinstance(value, int) and value >= 0 else f"{value}{unit}"
+
+
+def render_summary(summary: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(
+        title=f"rollout step: {summary['engine']} engine, policy {summary['policy']}",
+        show_header=False,
+    )
+    rows = [
+        ("launched / target", f"{summary['launched']:,} / {summary['target']:,}"),
+        ("completed", _fmt(summary["completed"])),
+        ("truncated", _fmt(summary["truncated"])),
+        ("aborted", _fmt(summary["aborted"])),
+        ("failed", _fmt(summary["failed"])),
+        ("kept for training", _fmt(summary["kept"])),
+        ("generated tokens", _fmt(summary["generated_tokens"])),
+        ("wasted tokens (aborted)", _fmt(summary["wasted_tokens"])),
+        ("tokens after abort", "unknown" if summary["tokens_after_abort"] < 0 else _fmt(summary["tokens_after_abort"])),
+        ("KV blocks in use after", "unknown" if summary["kv_blocks_in_use_after"] < 0 else _fmt(summary["kv_blocks_in_use_after"])),
+        ("step time", _fmt(summary["step_time_s"], " s")),
+        ("cut time", _fmt(summary["cut_time_s"], " s") + (f" ({summary['cut_reason']})" if summary["cut_reason"] else "")),
+        ("abort → engine idle", _fmt(summary["abort_to_idle_s"], " s")),
+        ("mean reward (kept)", _fmt(summary["reward_mean_kept"])),
+        ("mean turns (kept)", _fmt(summary["mean_turns_kept"])),
+    ]  # fmt: skip
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def rollout(
+    data: Annotated[Path, typer.Option(help="verl-format parquet file with the prompts.")],
+    engine: Annotated[
+        str, typer.Option(help=f"Engine: {', '.join(ENGINES[:1] + ENGINES[2:])}.")
+    ] = "hf",
+    model: Annotated[
+        str, typer.Option(help="'builtin' or a Hugging Face model directory.")
+    ] = "builtin",
+    requests: Annotated[
+        int,
+        typer.Option(
+            min=1, max=100_000, help="Samples the step wants (the policy may launch more)."
+        ),
+    ] = 64,
+    policy: Annotated[
+        str, typer.Option(help=f"Cut-off policy: {', '.join(POLICIES)}.")
+    ] = "target-count",
+    group_size: Annotated[
+        int, typer.Option(min=1, max=1024, help="Samples per prompt (GRPO group).")
+    ] = 1,
+    abort_ratio: Annotated[
+        float,
+        typer.Option(min=0.0, max=0.99, help="target-count: share of launched samples to abort."),
+    ] = 0.1,
+    over_provision: Annotated[
+        float,
+        typer.Option(min=0.0, max=4.0, help="over-provision / group-quota: extra share launched."),
+    ] = 0.1,
+    deadline_s: Annotated[
+        float | None, typer.Option(min=0.001, help="deadline: fixed deadline in seconds.")
+    ] = None,
+    tools: Annotated[
+        Path | None,
+        typer.Option(help="verl tool-config YAML (default: tools.yaml beside the data)."),
+    ] = None,
+    url: Annotated[
+        list[str] | None, typer.Option(help="Server URL for sglang / vllm (repeatable).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="hf engine device: auto, cpu, cuda.")] = "auto",
+    max_turns: Annotated[
+        int, typer.Option(min=1, max=1000, help="Most assistant turns per trajectory.")
+    ] = 12,
+    max_new_tokens: Annotated[
+        int, typer.Option(min=1, max=1_000_000, help="Most tokens sampled per turn.")
+    ] = 128,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, max=10.0, help="Sampling temperature.")
+    ] = 1.0,
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, max=4096, help="hf engine: most sequences decoded together.")
+    ] = 64,
+    seed: Annotated[int, typer.Option(min=0, help="Seeds the prompt order and the sampling.")] = 0,
+    trace_dir: Annotated[
+        Path | None, typer.Option(help="Write the step's trace here (kept; else a temporary one).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary and the tail as JSON.")
+    ] = False,
+) -> None:
+    """Run one over-sampled multi-turn rollout step on a real model and print how it went."""
+    from tailcut.data.verl import DataError
+    from tailcut.models.command import ModelNotFoundError
+    from tailcut.rollout.scheduler import StepFailed
+    from tailcut.tools.registry import ToolConfigError
+
+    if policy not in POLICIES:
+        raise typer.BadParameter(
+            f"{policy!r} is not one of {', '.join(POLICIES)}", param_hint="--policy"
+        )
+    if engine not in ENGINES or engine == "sim":
+        raise typer.BadParameter(
+            f"{engine!r} is not one of hf, sglang, vllm", param_hint="--engine"
+        )
+    opts = RolloutOptions(
+        engine=engine, model=model, data=data, requests=requests, policy=policy, group_size=group_size,
+        abort_ratio=abort_ratio, over_provision=over_provision, deadline_s=deadline_s, tools=tools,
+        urls=tuple(url or ()), device=device, max_turns=max_turns, max_new_tokens=max_new_tokens,
+        temperature=temperature, max_batch_size=max_batch_size, seed=seed,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tailcut-rollout-") as tmp:
+        where = trace_dir or Path(tmp)
+        try:
+            summary = asyncio.run(run_rollout(opts, where))
+        except (DataError, ModelNotFoundError, ToolConfigError, StepFailed, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        _print(summary, where, keep=trace_dir is not None, as_json=as_json)
+
+
+def _print(summary: dict[str, Any], trace_dir: Path, *, keep: bool, as_json: bool) -> None:
+    from tailcut.trace.report import analyse_run, render_tables
+
+    reports = analyse_run(trace_dir)
+    if as_json:
+        payload = {
+            **summary,
+            "trace_dir": str(trace_dir) if keep else None,
+            "tail": [r.to_json() for r in reports],
+        }
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+    console.print(render_summary(summary))
+    for table in render_tables(reports):
+        console.print(table)
+    if summary["reward_note"]:
+        console.print(f"[yellow]no reward:[/yellow] {summary['reward_note']}", highlight=False)
+    for line in summary["errors"]:
+        console.print(f"[red]failed[/red] {line}", highlight=False)
+    if keep:
+        console.print(f"trace: {trace_dir} (tailcut report {trace_dir})", highlight=False)

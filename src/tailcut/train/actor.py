@@ -1,0 +1,276 @@
+"""The actor: the trained policy, its optimizer, and one PPO-clip update over a TrainBatch.
+
+A batch (layout in ``algo/batch.py``) becomes tensors once. Only valid rows are forwarded
+(pad and masked rows add nothing to the loss, so they are skipped, not computed and
+zeroed). Each micro-batch is trimmed to its own longest prompt and response. Log-probs of
+response token ``j`` come from the logits at position ``P + j − 1``; logits are divided by
+the sampling temperature so that they describe the distribution the engine sampled from.
+The loss denominators (``LossNorm``) are computed over the whole mini-batch, so gradient
+accumulation over micro-batches gives the mini-batch gradient exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tailcut.algo.batch import TrainBatch
+from tailcut.algo.loss import LossNorm, PolicyLossSpec, entropy_from_logits, ppo_clip_loss
+from tailcut.train.config import ActorConfig, AlgoConfig
+
+
+@dataclass(slots=True)
+class BatchTensors:
+    input_ids: Tensor
+    loss_mask: Tensor
+    old_logprobs: Tensor
+    versions: Tensor
+    prompt_lens: Tensor
+    response_lens: Tensor
+    row_valid: Tensor
+    advantages: Tensor
+    prompt_width: int
+    response_width: int
+
+
+def to_tensors(batch: TrainBatch) -> BatchTensors:
+    """Tensors over the batch's arrays (no copy for the per-token fields)."""
+    return BatchTensors(
+        input_ids=torch.from_numpy(batch.input_ids),
+        loss_mask=torch.from_numpy(batch.loss_mask),
+        old_logprobs=torch.from_numpy(batch.old_logprobs),
+        versions=torch.from_numpy(batch.versions),
+        prompt_lens=torch.tensor(batch.prompt_lens, dtype=torch.long),
+        response_lens=torch.tensor(batch.response_lens, dtype=torch.long),
+        row_valid=torch.tensor(batch.row_valid, dtype=torch.long),
+        advantages=torch.tensor(batch.advantages, dtype=torch.float32),
+        prompt_width=batch.prompt_width,
+        response_width=batch.response_width,
+    )
+
+
+def _split(items: Sequence[int], parts: int) -> list[list[int]]:
+    """``items`` in ``parts`` contiguous, nearly equal chunks (none empty unless items is)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+class Actor:
+    """Policy model + AdamW; ``update(batch)`` runs ``epochs × mini_batches`` optimizer steps."""
+
+    def __init__(
+        self,
+        model: Any,
+        cfg: ActorConfig,
+        algo: AlgoConfig,
+        *,
+        norm_len: int,
+        temperature: float = 1.0,
+        ref_model: Any | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device or next(model.parameters()).device
+        self.model = model.to(self.device).train()
+        self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
+        self.spec = PolicyLossSpec(
+            agg=algo.loss_agg,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            kl_coef=algo.kl_coef,
+            kl_type=algo.kl_type,
+        )
+        self.norm_len = norm_len
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+        )
+        self.optimizer_steps = 0
+        self.version = 0
+        """Weight version: bumped by every rollout step's update."""
+        use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+    # -- forward ------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _forward(
+        self, model: Any, t: BatchTensors, rows: Tensor, want_entropy: bool
+    ) -> tuple[Tensor, Tensor | None, int]:
+        """Log-probs (rows × R_mb) of the response tokens of ``rows``, trimmed widths."""
+        plen, rlen = t.prompt_lens[rows], t.response_lens[rows]
+        p_mb, r_mb = int(plen.max()), max(int(rlen.max()), 1)
+        p0 = t.prompt_width - p_mb
+        ids = t.input_ids[rows, p0 : t.prompt_width + r_mb].to(self.device)
+        cols = torch.arange(p_mb + r_mb, device=self.device)
+        attn = (cols >= (p_mb - plen.to(self.device)).unsqueeze(1)) & (
+            cols < (p_mb + rlen.to(self.device)).unsqueeze(1)
+        )
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        with self._autocast():
+            out = model(
+                input_ids=ids,
+                attention_mask=attn.long(),
+                position_ids=pos,
+                logits_to_keep=r_mb + 1,
+                use_cache=False,
+            )
+        logits = out.logits[:, :-1].float() / self.temperature
+        targets = ids[:, p_mb:]
+        logp = -F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        ).view(len(rows), r_mb)
+        entropy = None
+        if want_entropy:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits)
+        return logp, entropy, r_mb
+
+    # -- update -------------------------------------------------------------------------
+
+    def _lr_scale(self) -> float:
+        w = self.cfg.warmup_steps
+        return min(1.0, (self.optimizer_steps + 1) / w) if w > 0 else 1.0
+
+    def _micro_batches(self, t: BatchTensors, rows: list[int]) -> Iterator[Tensor]:
+        """Micro-batches of a mini-batch, rows sorted by length so each one is trimmed to
+        little padding (the mini-batch loss is a sum over rows: order does not change it)."""
+        size = self.cfg.micro_batch_rows
+        total = t.prompt_lens + t.response_lens
+        ordered = sorted(rows, key=lambda i: (int(total[i]), i))
+        for k in range(0, len(ordered), size):
+            yield torch.tensor(ordered[k : k + size], dtype=torch.long)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One rollout step's policy update; returns averaged metrics (``train/*``)."""
+        t = to_tensors(batch)
+        real = [i for i, v in enumerate(batch.row_valid) if v]
+        sums: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(self.cfg.epochs):
+            for mini in _split(real, self.cfg.mini_batches):
+                if not mini:
+                    continue
+                step_metrics = self._mini_batch(t, mini)
+                for k, v in step_metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_steps += 1
+        out = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
+        out["train/optimizer_steps"] = float(n_steps)
+        out["train/rows"] = float(len(real))
+        out.update(self._staleness(t))
+        self.version += 1
+        return out
+
+    def _mini_batch(self, t: BatchTensors, mini: list[int]) -> dict[str, float]:
+        idx = torch.tensor(mini, dtype=torch.long)
+        norm = LossNorm.of(t.loss_mask[idx], t.row_valid[idx], self.norm_len)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * self._lr_scale()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+        for rows in self._micro_batches(t, mini):
+            logp, entropy, r_mb = self._forward(self.model, t, rows, want_entropy=True)
+            ref = None
+            if self.ref_model is not None and self.spec.kl_coef > 0:
+                with torch.no_grad():
+                    ref, _, _ = self._forward(self.ref_model, t, rows, want_entropy=False)
+            mask = t.loss_mask[rows, :r_mb].to(self.device)
+            out = ppo_clip_loss(
+                logp,
+                t.old_logprobs[rows, :r_mb].to(self.device),
+                t.advantages[rows].to(self.device),
+                mask,
+                t.row_valid[rows].to(self.device),
+                norm,
+                self.spec,
+                ref_logprobs=ref,
+            )
+            if out.loss.requires_grad:
+                out.loss.backward()
+            acc["loss"] += float(out.loss.detach())
+            for k, v in out.metrics.items():
+                if k != "pg_loss":
+                    acc[k] = acc.get(k, 0.0) + float(v)
+            if entropy is not None:
+                acc["entropy"] += float((entropy * (mask > 0)).sum())
+        grad_norm = self._optimizer_step()
+        n_tok = max(norm.n_tokens, 1.0)
+        metrics = {
+            "loss": acc["loss"],
+            "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "loss_tokens": norm.n_tokens,
+        }
+        for k in ("clip_frac", "ratio", "approx_kl_behaviour", "kl_ref", "entropy"):
+            if k in acc:
+                metrics[k] = acc[k] / n_tok
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in params if p.grad is not None])
+            )
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _staleness(self, t: BatchTensors) -> dict[str, float]:
+        """How old the trained tokens are: current version minus the sampling version."""
+        m = (t.loss_mask > 0) & (t.row_valid > 0).unsqueeze(1) & (t.versions >= 0)
+        if not bool(m.any()):
+            return {"train/version_lag_mean": 0.0, "train/version_lag_max": 0.0}
+        lag = (self.version - t.versions[m]).float()
+        return {
+            "train/version_lag_mean": float(lag.mean()),
+            "train/version_lag_max": float(lag.max()),
+        }
+
+    # -- weights and state --------------------------------------------------------------
+
+    def engine_state_dict(self) -> dict[str, Tensor]:
+        """Detached weights for the inference engine."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.version = int(state["version"])

@@ -1,0 +1,176 @@
+"""The root configuration of ``tailcut train``: one YAML file plus dotted overrides.
+
+Sections: ``engine`` / ``cutoff`` / ``agent`` (shared with the rollout tools), ``data``,
+``algo``, ``actor``, ``trainer``. Every field has bounds; a bad value raises ``ConfigError``
+naming the field path, the value and the allowed range. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tailcut.config import AgentLoopConfig, CutoffConfig, EngineConfig, load_config
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class DataConfig(_Model):
+    task: Literal["arith", "parquet"] = "arith"
+    """arith: the built-in synthetic task (generated, seeded); parquet: verl-format files."""
+    train_path: str | None = None
+    """Training prompts (verl-format parquet) for task=parquet."""
+    val_path: str | None = None
+    """Validation prompts (verl-format parquet) for task=parquet."""
+    batch_size: int = Field(8, ge=1, le=65_536)
+    """Prompts per step; each is sampled ``algo.group_size`` times."""
+    val_size: int = Field(64, ge=0, le=1_000_000)
+    """Validation prompts (the first ones of the validation set; 0 = no validation)."""
+    train_size: int = Field(20_000, ge=1, le=100_000_000)
+    """arith: training problems generated (cycled through, reshuffled each epoch)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Skip prompts longer than this (parquet; None = keep all)."""
+    shuffle: bool = True
+    """Shuffle the training prompts (seeded by ``trainer.seed``), again each epoch."""
+    arith_max_steps: int = Field(10, ge=1, le=64)
+    """arith: most calculator steps of a problem."""
+    arith_tail_alpha: float = Field(1.1, ge=0.0, le=10.0)
+    """arith: P(k steps) ∝ k**-alpha (the long tail a step cuts)."""
+    val_seed: int = Field(1_000_003, ge=0)
+    """arith: seed of the validation problems (disjoint from training)."""
+    tools: list[Literal["calculator", "calc_gsm8k_reward"]] = ["calculator"]
+    """Built-in tools the agent may call (ignored when ``tool_config`` is set)."""
+    tool_config: str | None = None
+    """A verl tool-config YAML file (``tools: [{class_name, config, tool_schema}]``)."""
+    reward: Literal["answer", "tool"] = "answer"
+    """answer: the ``#### N`` answer of the assistant text against the ground truth;
+    tool: the sum of the tools' rewards (e.g. calc_gsm8k_reward)."""
+
+
+class AlgoConfig(_Model):
+    group_size: int = Field(4, ge=1, le=1024)
+    """Samples per prompt (the GRPO group)."""
+    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Advantage estimator (algo/advantage.py)."""
+    small_group: Literal["zero", "drop"] = "zero"
+    """A group left with fewer than 2 members: advantage 0, or its rows dropped."""
+    adv_eps: float = Field(1e-6, gt=0.0, le=1.0)
+    """GRPO: added to the group std."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """Loss aggregation mode (formulas in algo/loss.py)."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO clip: ratio floor 1 − clip_low."""
+    clip_high: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO clip: ratio ceiling 1 + clip_high (> clip_low: clip-higher)."""
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    """Weight of the KL to the initial (reference) policy; 0 loads no reference model."""
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (algo/loss.py)."""
+    norm_len: int | None = Field(None, ge=1)
+    """seq-mean-token-sum-norm: the constant L (None = agent.max_response_tokens)."""
+
+
+class ActorConfig(_Model):
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6)
+    """Clip the gradient norm to this (0 = no clipping)."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per rollout step (the batch split in this many mini-batches)."""
+    epochs: int = Field(1, ge=1, le=64)
+    """Passes over the batch per rollout step."""
+    micro_batch_rows: int = Field(16, ge=1, le=65_536)
+    """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype (auto: bf16 autocast on CUDA, fp32 on CPU); weights stay fp32."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch intra-op threads on CPU (None: torch's default)."""
+
+
+class TrainerConfig(_Model):
+    steps: int = Field(40, ge=1, le=10_000_000)
+    """Rollout + update steps."""
+    max_train_s: float | None = Field(None, gt=0.0)
+    """Stop once this many seconds went into steps (rollout, update, weight sync; not
+    validation), for equal-budget comparisons; None = run all ``steps``."""
+    seed: int = Field(0, ge=0)
+    """Seeds data order, torch and sampling."""
+    val_every: int = Field(5, ge=0)
+    """Validate every k steps (and at the start and the end); 0 = only at start and end."""
+    val_temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """Sampling temperature of validation (0 = greedy). Validation is never cut."""
+    save_every: int = Field(10, ge=0)
+    """Checkpoint every k steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    """Most recent checkpoints kept."""
+    run_dir: str = "runs/tailcut"
+    """Where the resolved config, metrics, traces, checkpoints and plots go."""
+    resume: str = "auto"
+    """auto: continue from the run directory's latest checkpoint if any; never; or a
+    checkpoint directory."""
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
+    """Metric sinks (jsonl is always on; wandb needs the package and WANDB_* settings)."""
+    wandb_project: str = "tailcut"
+    trace: bool = True
+    """Write per-step rollout traces (RUN_DIR/traces/step_k/worker_0.jsonl)."""
+    step_timeout_s: float | None = Field(None, gt=0.0)
+    """Hard cap on one rollout step (cut whatever the policy says)."""
+
+    @model_validator(mode="after")
+    def _resume_value(self) -> TrainerConfig:
+        if self.resume not in ("auto", "never") and not self.resume.strip():
+            raise ValueError("resume must be 'auto', 'never' or a checkpoint directory")
+        return self
+
+
+class TrainConfig(_Model):
+    engine: EngineConfig = EngineConfig(kind="hf")
+    """The inference engine the rollouts run on."""
+    cutoff: CutoffConfig = CutoffConfig()
+    """When a step is cut and what happens to cut-off samples."""
+    agent: AgentLoopConfig = AgentLoopConfig()
+    """The multi-turn agent loop (lengths, sampling, tool parsing)."""
+    data: DataConfig = DataConfig()
+    algo: AlgoConfig = AlgoConfig()
+    actor: ActorConfig = ActorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.cutoff.policy == "group-quota" and self.cutoff.aborted == "partial":
+            raise ValueError(
+                "cutoff.aborted: 'partial' does not combine with cutoff.policy=group-quota "
+                "(it keeps whole groups only); use drop or mask"
+            )
+        if self.engine.kind == "sim":
+            raise ValueError(
+                "engine.kind: 'sim' generates no tokens to train on; use hf, sglang or vllm"
+            )
+        if self.engine.kind in ("sglang", "vllm") and not self.engine.urls:
+            raise ValueError(f"engine.urls: engine.kind={self.engine.kind} needs server URLs")
+        if self.data.task == "parquet" and not self.data.train_path:
+            raise ValueError("data.train_path: data.task=parquet needs a training file")
+        return self
+
+    @property
+    def n_target(self) -> int:
+        """Samples a step wants: prompts × group size."""
+        return self.data.batch_size * self.algo.group_size
+
+
+def load_train_config(path: Path | None, overrides: list[str]) -> TrainConfig:
+    """Load and validate; raises ``tailcut.config.ConfigError`` naming the bad field."""
+    cfg: TrainConfig = load_config(TrainConfig, path, overrides)
+    return cfg

@@ -1,0 +1,94 @@
+"""The training loop end to end on a tiny deterministic setup (virtual time)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from train_fixtures import read_jsonl, tiny_config, tiny_setup
+
+from tailcut.train.trainer import Trainer
+from tailcut.vtime import run_virtual
+
+pytestmark = pytest.mark.slow
+QUIET = Console(quiet=True)
+
+
+def _train(cfg: Any, tokenizer: Any, **kw: Any) -> list[dict[str, Any]]:
+    trainer = Trainer(cfg, tiny_setup(cfg, tokenizer), console=QUIET, **kw)
+    run_virtual(trainer.run())
+    return read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")
+
+
+def test_few_steps_train_log_and_checkpoint(tmp_path: Path, chat_tokenizer: Any) -> None:
+    cfg = tiny_config(tmp_path / "run", "cutoff.policy=target-count", "cutoff.abort_ratio=0.25")
+    rows = _train(cfg, chat_tokenizer)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        assert math.isfinite(r["train/loss"]) and r["train/optimizer_steps"] == 2
+        assert r["rollout/launched"] == 16 and r["rollout/aborted"] == 4
+        assert r["batch/real_rows"] == 12 and r["batch/dropped_aborted"] == 4
+    assert any(r["train/loss"] != 0.0 for r in rows[1:])
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "traces" / "step_1" / "worker_0.jsonl").is_file()
+    done = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert done == ["step_00000002", "step_00000003"]  # keep_checkpoints=2
+
+
+def test_validation_is_never_cut(tmp_path: Path, chat_tokenizer: Any) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", "cutoff.policy=target-count", "cutoff.abort_ratio=0.5", "trainer.steps=2",
+        "trainer.val_temperature=1.0",
+    )  # fmt: skip
+    rows = _train(cfg, chat_tokenizer)
+    val = [r for r in rows if "val/reward" in r]
+    assert [r["step"] for r in val] == [0, 2]
+    for r in val:
+        assert r["val/n"] == 6 and r["val/aborted"] == 0 and r["val/cut"] == 0
+    assert all(r["rollout/aborted"] >= 4 for r in rows if r["step"] > 0)  # training steps are cut
+
+
+def test_cut_disabled_is_wait_all(tmp_path: Path, chat_tokenizer: Any) -> None:
+    a = _train(tiny_config(tmp_path / "a", "cutoff.policy=wait-all"), chat_tokenizer)
+    b = _train(
+        tiny_config(tmp_path / "b", "cutoff.policy=target-count", "cutoff.abort_ratio=0.0"),
+        chat_tokenizer,
+    )
+    keys = (
+        "train/loss",
+        "batch/loss_tokens",
+        "batch/real_rows",
+        "reward/completed_mean",
+        "train/grad_norm",
+    )
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        for k in keys:
+            assert ra[k] == rb[k], (ra["step"], k)
+        assert rb["rollout/aborted"] == 0
+
+
+@pytest.mark.parametrize("mode", ["drop", "mask"])
+def test_kill_and_resume_gives_the_same_next_step(
+    tmp_path: Path, chat_tokenizer: Any, mode: str
+) -> None:
+    over = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", f"cutoff.aborted={mode}")
+    full = _train(tiny_config(tmp_path / "full", *over), chat_tokenizer)
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill(step: int, phase: str) -> None:
+        if step == 3 and phase == "update":
+            raise Killed
+
+    cfg = tiny_config(tmp_path / "cut", *over)
+    with pytest.raises(Killed):
+        _train(cfg, chat_tokenizer, fault=kill)
+    resumed = _train(cfg, chat_tokenizer)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert full[3]["train/loss"] != 0.0 and full[3]["rollout/aborted"] > 0
+    for k in ("train/loss", "train/grad_norm", "batch/loss_tokens", "reward/completed_mean"):
+        assert resumed[3][k] == full[3][k], k

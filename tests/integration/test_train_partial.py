@@ -1,0 +1,66 @@
+"""cutoff.aborted=partial end to end: cut trajectories come back in the next step with their
+tokens and versions, are trained with the importance ratio, and resume exactly."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from train_fixtures import read_jsonl, tiny_config, tiny_setup
+
+from tailcut.train.trainer import Trainer
+from tailcut.vtime import run_virtual
+
+pytestmark = pytest.mark.slow
+PARTIAL = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "cutoff.aborted=partial")
+
+
+def _train(cfg: Any, tokenizer: Any, **kw: Any) -> tuple[Trainer, list[dict[str, Any]]]:
+    trainer = Trainer(cfg, tiny_setup(cfg, tokenizer), console=Console(quiet=True), **kw)
+    run_virtual(trainer.run())
+    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")
+
+
+def test_partial_resumes_in_the_next_step(tmp_path: Path, chat_tokenizer: Any) -> None:
+    _, rows = _train(tiny_config(tmp_path / "run", *PARTIAL, "trainer.steps=4"), chat_tokenizer)
+    steps = rows[1:]
+    assert steps[0]["batch/deferred_partial"] == 4 and steps[0]["partial/resumed"] == 0
+    assert steps[1]["partial/resumed"] == 4
+    for prev, cur in itertools.pairwise(steps):
+        # Every cut trajectory comes back next step, unless it was itself a resumed one
+        # (started two steps ago: beyond max_staleness=1, dropped and counted).
+        assert cur["partial/resumed"] <= prev["batch/deferred_partial"]
+    # Each step launches the resumed ones on top of batch_size × group_size fresh samples.
+    for r in steps:
+        assert r["rollout/launched"] == 16 + r["partial/resumed"]
+    # Resumed tokens were sampled by the previous weights: the lag shows in training.
+    assert max(r["train/version_lag_max"] for r in steps[1:]) >= 1
+    assert all(r["batch/dropped_aborted"] == 0 and r["batch/masked_rows"] == 0 for r in steps)
+
+
+def test_partial_staleness_zero_behaves_like_drop(tmp_path: Path, chat_tokenizer: Any) -> None:
+    _, rows = _train(
+        tiny_config(tmp_path / "run", *PARTIAL, "cutoff.max_staleness=0", "trainer.steps=2"),
+        chat_tokenizer,
+    )
+    assert all(r["partial/resumed"] == 0 for r in rows[1:])
+    assert rows[-1]["partial/dropped_total"] >= 4
+
+
+def test_partial_kill_and_resume(tmp_path: Path, chat_tokenizer: Any) -> None:
+    _, full = _train(tiny_config(tmp_path / "full", *PARTIAL), chat_tokenizer)
+
+    def kill(step: int, phase: str) -> None:
+        if step == 3 and phase == "rollout":
+            raise KeyboardInterrupt
+
+    cfg = tiny_config(tmp_path / "cut", *PARTIAL)
+    with pytest.raises(KeyboardInterrupt):
+        _train(cfg, chat_tokenizer, fault=kill)
+    trainer, resumed = _train(cfg, chat_tokenizer)
+    assert trainer.step == 3 and full[3]["train/loss"] != 0.0
+    for k in ("train/loss", "partial/resumed", "batch/loss_tokens", "train/version_lag_mean"):
+        assert resumed[3][k] == full[3][k], k

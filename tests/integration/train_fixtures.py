@@ -1,0 +1,123 @@
+"""A tiny, deterministic training setup: a random 2-layer Qwen2 as the actor, the scripted
+engine (replies picked by each request's seed) on virtual time, the real agent loop with the
+calculator tool, and a rule reward. Rollouts and cuts are exact, so runs can be compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tailcut.chat.parser import format_tool_call
+from tailcut.config import AgentLoopConfig
+from tailcut.engine.scripted import ScriptCall, ScriptedEngine, ramble
+from tailcut.rollout.resume import ResumableAgentLoop
+from tailcut.tools.base import ToolSet
+from tailcut.tools.calculator import CalculatorTool
+from tailcut.train.actor import Actor
+from tailcut.train.build import RewardFn
+from tailcut.train.config import TrainConfig, load_train_config
+from tailcut.train.trainer import TrainSetup
+
+TOKEN_S = 0.01
+
+
+def script(call: ScriptCall) -> str:
+    """Replies vary with the request seed: right, wrong, a tool call, or a long ramble."""
+    seed = call.request.sampling.seed or 0
+    kind = seed % 5
+    if call.turn > 0:
+        return "#### 1" if kind % 2 else "#### 3"
+    if kind == 0:
+        return "#### 1"
+    if kind == 1:
+        return "#### 2"
+    if kind == 2:
+        return "Add.\n" + format_tool_call("calculator", {"expression": "0 + 1"})
+    if kind == 3:
+        return ramble(10 + seed % 30, seed)  # long, slow: what a cut aborts
+    return "The answer.\n#### 1"
+
+
+class VersionedEngine(ScriptedEngine):
+    """The scripted engine, stamping the weight version the trainer last synced."""
+
+    async def update_weights(self, state_dict: Any, version: int) -> None:
+        self.weight_version = version
+
+
+def prompts(n: int, offset: int = 0) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer with ####."},
+                {"role": "user", "content": f"What is {i} times zero plus one?"},
+            ],
+            "ground_truth": "1",
+        }
+        for i in range(offset, offset + n)
+    ]
+
+
+def tiny_model(vocab: int, seed: int = 0) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def tiny_config(run_dir: Path, *overrides: str) -> TrainConfig:
+    base = [
+        "engine.kind=hf",
+        "data.batch_size=4",
+        "data.val_size=6",
+        "algo.group_size=4",
+        "actor.lr=0.001",
+        "actor.micro_batch_rows=5",
+        "actor.mini_batches=2",
+        "agent.max_turns=3",
+        "agent.max_response_tokens=128",
+        "agent.max_new_tokens=64",
+        "trainer.steps=3",
+        "trainer.val_every=2",
+        "trainer.save_every=1",
+        "trainer.loggers=[]",
+        "actor.threads=1",
+        f"trainer.run_dir={run_dir}",
+    ]
+    return load_train_config(None, [*base, *overrides])
+
+
+def tiny_setup(cfg: TrainConfig, tokenizer: Any) -> TrainSetup:
+    if cfg.actor.threads:
+        torch.set_num_threads(cfg.actor.threads)
+    tools = ToolSet({"calculator": CalculatorTool()})
+    reward = RewardFn("answer")
+    engine = VersionedEngine(tokenizer, script, token_delay_s=TOKEN_S)
+    actor = Actor(
+        tiny_model(len(tokenizer)), cfg.actor, cfg.algo,
+        norm_len=cfg.agent.max_response_tokens, device=torch.device("cpu"),
+    )  # fmt: skip
+    val_agent: AgentLoopConfig = cfg.agent.model_copy(update={"temperature": 0.0})
+    return TrainSetup(
+        actor=actor,
+        engine=engine,
+        rollout=ResumableAgentLoop(tokenizer, cfg.agent, toolset=tools, reward_fn=reward),
+        val_rollout=ResumableAgentLoop(tokenizer, val_agent, toolset=tools, reward_fn=reward),
+        train_prompts=prompts(40),
+        val_prompts=prompts(6, offset=100),
+        pad_id=int(tokenizer.pad_token_id),
+        reward_seconds=lambda: reward.seconds,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,227 @@
+"""Partial-rollout buffer: resumed trajectories keep tokens, versions, log-probs; staleness."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from tailcut.rollout.partial import PartialBuffer
+from tailcut.types import FinishReason, Sample, Status, Turn
+
+
+def aborted(index: int, group: int, n: int = 3, version: int = 0) -> Sample:
+    return Sample(
+        index=index,
+        group=group,
+        prompt_ids=[1, 2, 3],
+        status=Status.ABORTED,
+        finish_reason=FinishReason.ABORT,
+        response_ids=list(range(10, 10 + n)),
+        loss_mask=[1] * n,
+        logprobs=[-0.25] * n,
+        versions=[version] * n,
+        turns=[Turn(0, "x" * 24, 3, output_tokens=n, finish_reason=FinishReason.ABORT)],
+        messages=[{"role": "user", "content": "q"}],
+        active_request_id="y" * 24,
+        launched_at=1.0,
+        ended_at=2.0,
+    )
+
+
+def test_resume_keeps_tokens_versions_and_logprobs() -> None:
+    buf = PartialBuffer(max_staleness=1)
+    s = aborted(4, 7, version=3)
+    assert buf.add([s], step=5, finished_rewards={7: [1.0, 0.0]}) == 1
+    out = buf.take(step=6)
+    assert len(out.resumed) == 1 and len(buf) == 0
+    r = out.resumed[0]
+    assert r is not s
+    assert r.status is Status.PENDING and r.finish_reason is None
+    assert r.prompt_ids == [1, 2, 3] and r.response_ids == [10, 11, 12]
+    assert r.versions == [3, 3, 3] and r.logprobs == [-0.25] * 3 and r.loss_mask == [1] * 3
+    assert len(r.turns) == 1 and r.messages == s.messages
+    assert r.resumed_from_step == 5 and r.active_request_id is None and r.launched_at is None
+    assert buf.baseline_rewards([7]) == {7: [1.0, 0.0]}
+
+
+def test_group_baseline_recorded_once_per_group() -> None:
+    buf = PartialBuffer(max_staleness=1)
+    buf.add([aborted(0, 7), aborted(1, 7)], step=2, finished_rewards={7: [1.0, 0.0]})
+    assert buf.baseline_rewards([7]) == {7: [1.0, 0.0]}
+    assert len(buf.take(step=3).resumed) == 2
+
+
+def test_staleness_bound_drops_and_counts() -> None:
+    buf = PartialBuffer(max_staleness=1)
+    buf.add([aborted(0, 0), aborted(1, 1)], step=0)
+    first = buf.take(step=1, limit=1)
+    assert len(first.resumed) == 1 and len(buf) == 1
+    # Cut again at step 1: started at step 0, so step 2 would be 2 steps stale.
+    again = first.resumed[0]
+    again.status = Status.ABORTED
+    assert buf.add([again], step=1) == 0
+    late = buf.take(step=2)
+    assert late.resumed == [] and late.expired == 1 and late.expired_tokens == 3
+    assert buf.dropped_total == 2 and buf.baselines == {}
+
+
+def test_zero_staleness_is_drop() -> None:
+    buf = PartialBuffer(max_staleness=0)
+    assert buf.add([aborted(0, 0)], step=3) == 0
+    assert buf.take(step=4).resumed == [] and buf.dropped_total == 1
+
+
+def test_only_aborted_samples_enter() -> None:
+    s = aborted(2, 1)
+    s.status = Status.FAILED
+    with pytest.raises(ValueError, match=r"sample 2 \(group 1\) is failed"):
+        PartialBuffer().add([s], step=0)
+
+
+def test_release_forgets_finished_groups_and_state_round_trips() -> None:
+    buf = PartialBuffer(max_staleness=2)
+    buf.add([aborted(0, 3), aborted(1, 4)], step=0, finished_rewards={3: [0.5], 4: [1.0]})
+    state = pickle.loads(pickle.dumps(buf.state_dict()))
+    other = PartialBuffer(max_staleness=2)
+    other.load_state_dict(state)
+    assert [e.sample.index for e in other.entries] == [0, 1]
+    assert other.baselines == {3: [0.5], 4: [1.0]}
+    taken = other.take(step=1, limit=1)
+    assert [s.group for s in taken.resumed] == [3]
+    other.release([3])
+    assert other.baseline_rewards([3, 4]) == {4: [1.0]}
+
+
+# -- resuming a cut trajectory with the agent loop ------------------------------------------
+
+
+def _question_sample(index: int, question: str) -> Sample:
+    prompt = [{"role": "system", "content": "Answer."}, {"role": "user", "content": question}]
+    return Sample(index=index, group=index, data={"prompt": prompt})
+
+
+def _cut_step(tokenizer: object, script: object) -> tuple[object, list[Sample]]:
+    from tailcut.engine.scripted import ScriptedEngine
+    from tailcut.rollout.cutoff import TargetCount
+    from tailcut.rollout.resume import ResumableAgentLoop
+    from tailcut.rollout.scheduler import run_step
+    from tailcut.trace.events import NULL_TRACER
+    from tailcut.vtime import run_virtual
+
+    engine = ScriptedEngine(tokenizer, script, token_delay_s=0.01, weight_version=3)  # type: ignore[arg-type]
+    loop = ResumableAgentLoop(tokenizer, reward_fn=lambda s, t: 1.0)  # type: ignore[arg-type]
+    samples = [_question_sample(0, "short"), _question_sample(1, "long")]
+    result = run_virtual(run_step(engine, samples, loop, TargetCount(2, 1, 0.5), NULL_TRACER))
+    return engine, result.samples
+
+
+def _run_resumed(tokenizer: object, script: object, sample: Sample, version: int) -> object:
+    from tailcut.engine.scripted import ScriptedEngine
+    from tailcut.rollout.cutoff import WaitAll
+    from tailcut.rollout.resume import ResumableAgentLoop
+    from tailcut.rollout.scheduler import run_step
+    from tailcut.trace.events import NULL_TRACER
+    from tailcut.vtime import run_virtual
+
+    engine = ScriptedEngine(tokenizer, script, token_delay_s=0.01, weight_version=version)  # type: ignore[arg-type]
+    loop = ResumableAgentLoop(tokenizer, reward_fn=lambda s, t: 1.0)  # type: ignore[arg-type]
+    run_virtual(run_step(engine, [sample], loop, WaitAll(1), NULL_TRACER))
+    return engine
+
+
+def test_resume_mid_generation_continues_from_prompt_plus_tokens(chat_tokenizer: object) -> None:
+    from tailcut.engine.scripted import ramble
+
+    def script(call: object) -> str:
+        return "#### 1" if "short" in call.prompt_text else ramble(40)  # type: ignore[attr-defined]
+
+    _, done = _cut_step(chat_tokenizer, script)
+    cut = done[1]
+    assert cut.status is Status.ABORTED and len(cut.response_ids) > 0
+    partial_ids, partial_versions = list(cut.response_ids), list(cut.versions)
+    buf = PartialBuffer(max_staleness=1)
+    buf.add([cut], step=1)
+    resumed = buf.take(step=2).resumed[0]
+    resumed.index = 0
+    engine = _run_resumed(chat_tokenizer, script, resumed, version=4)
+    assert resumed.status is Status.COMPLETED and resumed.reward == 1.0
+    n = len(partial_ids)
+    assert resumed.response_ids[:n] == partial_ids and resumed.versions[:n] == partial_versions
+    assert set(resumed.versions[n:]) == {4} and len(resumed.response_ids) > n
+    first = engine.requests[0]  # type: ignore[attr-defined]
+    assert first.prompt_ids == resumed.prompt_ids + partial_ids  # prompt + tokens so far
+    assert resumed.messages[-1]["role"] == "assistant"
+    assert len(resumed.loss_mask) == len(resumed.response_ids) == len(resumed.logprobs)
+
+
+class SlowTool:
+    """Answers ``7`` after ``delay_s`` of virtual time."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def schema(self) -> dict[str, object]:
+        return {"type": "function", "function": {"name": "slow", "parameters": {"type": "object"}}}
+
+    async def create(self, instance_id: str, **kwargs: object) -> None:
+        return None
+
+    async def execute(self, instance_id: str, arguments: dict[str, object]) -> object:
+        import asyncio
+
+        from tailcut.tools.base import ToolResult
+
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        return ToolResult("7")
+
+    async def calc_reward(self, instance_id: str) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str) -> None:
+        return None
+
+
+def test_resume_cut_inside_tool_call_replays_the_calls(chat_tokenizer: object) -> None:
+    from tailcut.chat.parser import format_tool_call
+    from tailcut.engine.scripted import ScriptedEngine, ramble
+    from tailcut.rollout.cutoff import TargetCount, WaitAll
+    from tailcut.rollout.resume import ResumableAgentLoop
+    from tailcut.rollout.scheduler import run_step
+    from tailcut.tools.base import ToolSet
+    from tailcut.trace.events import NULL_TRACER
+    from tailcut.vtime import run_virtual
+
+    def script(call: object) -> str:
+        if call.turn > 0:  # type: ignore[attr-defined]
+            return "#### 7"
+        if "short" in call.prompt_text:  # type: ignore[attr-defined]
+            return ramble(80) + "\n#### 7"  # done while the other one waits on its tool
+        return "Ask.\n" + format_tool_call("slow", {})
+
+    tool = SlowTool(delay_s=5.0)
+    loop = ResumableAgentLoop(
+        chat_tokenizer, toolset=ToolSet({"slow": tool}), reward_fn=lambda s, t: 1.0
+    )  # type: ignore[arg-type]
+    engine = ScriptedEngine(chat_tokenizer, script, token_delay_s=0.01)  # type: ignore[arg-type]
+    samples = [_question_sample(0, "long"), _question_sample(1, "short")]
+    run_virtual(run_step(engine, samples, loop, TargetCount(2, 1, 0.5), NULL_TRACER))
+    cut = samples[0]
+    assert cut.status is Status.ABORTED and cut.turns[-1].finish_reason is FinishReason.STOP
+    assert cut.messages[-1]["role"] == "assistant" and tool.calls == 1
+    before = list(cut.response_ids)
+    buf = PartialBuffer()
+    buf.add([cut], step=1)
+    resumed = buf.take(step=2).resumed[0]
+    resumed.index = 0
+    engine2 = ScriptedEngine(chat_tokenizer, script, token_delay_s=0.01)  # type: ignore[arg-type]
+    run_virtual(run_step(engine2, [resumed], loop, WaitAll(1), NULL_TRACER))
+    assert resumed.status is Status.COMPLETED and tool.calls == 2  # the cut call ran again
+    assert resumed.response_ids[: len(before)] == before
+    assert len(engine2.requests) == 1  # no new generation for the replayed turn
+    assert [m["role"] for m in resumed.messages[-3:]] == ["assistant", "tool", "assistant"]
+    assert resumed.messages[-1]["content"] == "#### 7"
