@@ -28,3 +28,17 @@ def test_multi_oracle_keeps_requested_count_per_worker():
     all_s = multi_oracle_s(pool, [0, 8, 16], 16, cfg)
     some_s = multi_oracle_s(pool, [0, 8, 16], [4, 4], cfg)
     assert 0 < some_s <= all_s
+
+
+def test_bench_cli_compares_scopes_over_workers():
+    import json
+
+    from typer.testing import CliRunner
+
+    from tailcut.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--workers", "2", "--requests", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert [r["scope"] for r in out["scopes"]] == ["worker", "global"]
+    assert out["global_over_worker_kept_per_s"] > 0

@@ -84,8 +84,24 @@ def bench(
         int, typer.Option(min=1, help="hf: alternating engine/generate runs (median ratio).")
     ] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="hf: torch CPU threads.")] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1, help="sim: with W > 1, compare cut scopes over W workers of unequal difficulty."
+        ),
+    ] = 1,
+    scope: Annotated[
+        list[str] | None,
+        typer.Option(help="With --workers: worker and/or global (repeat; default both)."),
+    ] = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="With --workers: also measure a global cut on Ray actors.")
+    ] = False,
 ) -> None:
     """Benchmark every cut-off policy on one workload against the clairvoyant oracle."""
+    if workers > 1:
+        _multi(workers, requests or 1024, target_fraction, seed, scope, ray, json_out)
+        return
     if engine == "hf":
         _hf(locals())
         return
@@ -139,6 +155,83 @@ def bench(
         render(report)
 
 
+def _multi(
+    workers: int,
+    requests: int,
+    target_fraction: float,
+    seed: int,
+    scopes: list[str] | None,
+    ray: bool,
+    json_out: bool,
+) -> None:
+    """Per-worker vs global cut on workers of unequal difficulty (bench/multi.py)."""
+    import dataclasses
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from tailcut.bench.multi import ray_propagation_ms, run_scopes
+
+    wanted = scopes or ["worker", "global"]
+    for name in wanted:
+        if name not in ("worker", "global"):
+            raise typer.BadParameter(f"unknown scope {name!r}", param_hint="--scope")
+    rows = [
+        r
+        for r in run_scopes(
+            workers=workers,
+            per_worker=max(1, requests // workers),
+            abort_ratio=1.0 - target_fraction,
+            seed=seed,
+        )
+        if r.scope in wanted
+    ]
+    out: dict[str, Any] = {"workers": workers, "scopes": [dataclasses.asdict(r) for r in rows]}
+    by = {r.scope: r for r in rows}
+    if "worker" in by and "global" in by:
+        out["global_over_worker_kept_per_s"] = by["global"].kept_per_s / by["worker"].kept_per_s
+    if ray:
+        out["ray"] = ray_propagation_ms(workers)
+    if json_out:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    table = Table(title=f"cut scope over {workers} workers of unequal difficulty (virtual s)")
+    for col in ScopeColumns:
+        table.add_column(col, justify="right" if col != "scope" else "left")
+    for r in rows:
+        table.add_row(
+            r.scope,
+            f"{r.step_time_s:.2f}",
+            f"{r.kept:,}",
+            f"{r.kept_per_s:.2f}",
+            f"{r.oracle_s:.2f}",
+            f"{r.ratio_to_oracle:.3f}",
+            f"{r.aborted:,}",
+            f"{r.wasted_tokens:,}",
+        )
+    console = Console()
+    console.print(table)
+    if "global_over_worker_kept_per_s" in out:
+        console.print(
+            f"global / worker kept samples per s: {out['global_over_worker_kept_per_s']:.2f}x"
+        )
+    if ray:
+        console.print(f"Ray: {out['ray']}")
+
+
+ScopeColumns = (
+    "scope",
+    "step_time_s",
+    "kept",
+    "kept_per_s",
+    "oracle_s",
+    "ratio_to_oracle",
+    "aborted",
+    "wasted_tokens",
+)
+
+
 def _hf(options: dict[str, Any]) -> None:
     try:
         from tailcut.bench.hf_bench import run_hf_bench  # type: ignore[import-not-found,unused-ignore]
@@ -146,7 +239,8 @@ def _hf(options: dict[str, Any]) -> None:
         raise typer.BadParameter(
             f"the hf benchmark is not available: {exc}", param_hint="--engine"
         ) from None
-    options.pop("engine")
+    for key in ("engine", "workers", "scope", "ray"):
+        options.pop(key)
     run_hf_bench(**options)
 
 
