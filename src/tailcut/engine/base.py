@@ -116,3 +116,28 @@ class BaseEngine(ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class EngineView:
+    """An engine seen through a wrapper that changes only ``generate`` (per-step or
+    per-sample views): everything else goes straight to the engine underneath."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await self.engine.generate(request)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.engine.abort(request_ids)
+
+    async def in_flight(self) -> list[str]:
+        return await self.engine.in_flight()
+
+    async def stats(self) -> EngineStats:
+        return await self.engine.stats()
+
+    async def aclose(self) -> None:
+        """A view closes nothing: the engine belongs to whoever made it."""
+        return None

@@ -30,7 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tailcut.engine.base import AbortNotConfirmed, Engine, EngineDied, EngineError, EngineStats
+from tailcut.engine.base import (
+    AbortNotConfirmed,
+    Engine,
+    EngineDied,
+    EngineError,
+    EngineStats,
+    EngineView,
+)
 from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
 from tailcut.rollout.state import is_terminal, transition
 from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
@@ -112,13 +119,12 @@ class StepResult:
         return [self.samples[i] for i in self.kept]
 
 
-class _StepEngine:
+class _StepEngine(EngineView):
     """The engine as the rollout fns of one step see it: tracks requests in flight and
     refuses new ones after the cut (they resolve at once with ``abort``)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.name = engine.name
+        super().__init__(engine)
         self.active: dict[str, asyncio.Task[object]] = {}
         self.submitted: set[str] = set()
         self.cut = False
@@ -138,18 +144,6 @@ class _StepEngine:
         if self.cut:
             task.cancel()  # a result that raced the cut: keep its tokens, stop after
         return result
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.engine.abort(request_ids)
-
-    async def in_flight(self) -> list[str]:
-        return await self.engine.in_flight()
-
-    async def stats(self) -> EngineStats:
-        return await self.engine.stats()
-
-    async def aclose(self) -> None:
-        return None
 
 
 # Enum members the per-sample paths use, bound once: on Python 3.11 an Enum class

@@ -11,9 +11,8 @@ SGLang and vLLM).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from tailcut.engine.base import Engine, EngineStats
+from tailcut.engine.base import Engine, EngineView
 from tailcut.rollout.scheduler import RolloutFn
 from tailcut.trace.events import Tracer
 from tailcut.types import GenerateRequest, GenerateResult, Sample
@@ -31,12 +30,11 @@ def mix(*parts: int) -> int:
     return h & _MASK
 
 
-class _SeededEngine:
+class _SeededEngine(EngineView):
     """The step's engine as one sample sees it: fills in a seed on every request."""
 
     def __init__(self, engine: Engine, seed: int) -> None:
-        self.engine = engine
-        self.name = engine.name
+        super().__init__(engine)
         self._seed = seed
         self._calls = 0
 
@@ -46,18 +44,6 @@ class _SeededEngine:
             sampling = dataclasses.replace(request.sampling, seed=mix(self._seed, self._calls))
             request = dataclasses.replace(request, sampling=sampling)
         return await self.engine.generate(request)
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.engine.abort(request_ids)
-
-    async def in_flight(self) -> list[str]:
-        return await self.engine.in_flight()
-
-    async def stats(self) -> EngineStats:
-        return await self.engine.stats()
-
-    async def aclose(self) -> None:
-        return None
 
 
 class SeededRollout:
