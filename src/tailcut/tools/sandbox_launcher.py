@@ -155,8 +155,9 @@ def _flags_of(path: str) -> int:
     return sum(ms for st_flag, ms in table if st.f_flag & st_flag)
 
 
-def private_tmp(workdir: str, size_bytes: int, made: list[str]) -> list[str]:
-    """Fresh tmpfs over the shared temp dirs; the work dir is bound back at its path.
+def private_tmp(workdir: str, size_bytes: int, made: list[str], keep: list[str]) -> list[str]:
+    """Fresh tmpfs over the shared temp dirs; the work dir is bound back at its path, and
+    so are the ``keep`` paths (the interpreter, when it lives under a temp dir), read-only.
     Every mount made is appended to ``made`` (for a rollback)."""
     wd_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
     mounted = []
@@ -164,17 +165,35 @@ def private_tmp(workdir: str, size_bytes: int, made: list[str]) -> list[str]:
         for d in PRIVATE_DIRS:
             if not os.path.isdir(d) or os.path.islink(d):
                 continue
-            opts = f"mode=1777,size={max(size_bytes, 1 << 20)}"
-            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-            made.append(d)
-            mounted.append(d)
-            if _under(workdir, [d]):
-                os.makedirs(workdir, mode=0o755, exist_ok=True)
-                _mount(f"/proc/self/fd/{wd_fd}", workdir, None, MS_BIND, None)
-                made.append(workdir)
+            kept = {k: os.open(k, os.O_PATH) for k in keep if _under(k, [d]) and os.path.exists(k)}
+            try:
+                opts = f"mode=1777,size={max(size_bytes, 1 << 20)}"
+                _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+                made.append(d)
+                mounted.append(d)
+                if _under(workdir, [d]):
+                    os.makedirs(workdir, mode=0o755, exist_ok=True)
+                    _mount(f"/proc/self/fd/{wd_fd}", workdir, None, MS_BIND, None)
+                    made.append(workdir)
+                for path, fd in kept.items():
+                    _bind_back_readonly(path, fd, made)
+            finally:
+                for fd in kept.values():
+                    os.close(fd)
     finally:
         os.close(wd_fd)
     return mounted
+
+
+def _bind_back_readonly(path: str, fd: int, made: list[str]) -> None:
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        open(path, "w").close()
+    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+    made.append(path)
+    _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(path), None)
 
 
 def _blocked_dir(path: str) -> tuple[str, str] | None:
@@ -239,7 +258,9 @@ def setup_mounts(spec: dict, notes: dict) -> None:
     made: list[str] = []
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-        writable = private_tmp(spec["workdir"], spec["limits"]["fsize_bytes"] * 4, made)
+        writable = private_tmp(
+            spec["workdir"], spec["limits"]["fsize_bytes"] * 4, made, spec.get("keep", [])
+        )
         if spec.get("uid") is not None and spec.get("expose"):
             notes["exposed"] = expose(spec["expose"], made)
     except (OSError, SetupError) as exc:

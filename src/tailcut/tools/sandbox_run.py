@@ -76,6 +76,19 @@ def _interpreter_paths(python: str) -> list[str]:
     return sorted(os.path.realpath(p) for p in paths)
 
 
+def _interpreter_roots(python: str) -> list[str]:
+    """Directories the interpreter needs that a private /tmp would hide (a virtual
+    environment or a Python build living under a temp dir)."""
+    exe = os.path.abspath(python)
+    roots = {
+        os.path.dirname(os.path.dirname(exe)),
+        os.path.dirname(os.path.dirname(os.path.realpath(exe))),
+    }
+    if os.path.realpath(sys.executable) == os.path.realpath(exe):
+        roots |= {sys.prefix, sys.base_prefix}
+    return sorted(roots)
+
+
 class Run:
     """One program run: prepare → spawn → supervise → tear down."""
 
@@ -160,6 +173,7 @@ class Run:
             "namespaces": namespaces,
             "require": ["net"] if cfg.require_network_isolation and cfg.isolate_network else [],
             "expose": _interpreter_paths(python) if self.lease else [],
+            "keep": _interpreter_roots(python),
             "limits": {
                 "cpu_s": max(1, math.ceil(cpu)),
                 "as_bytes": cfg.memory_mb * 2**20,
