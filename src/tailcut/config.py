@@ -69,6 +69,16 @@ class HFEngineConfig(_Model):
     raw = the model's own distribution (temperature 1)."""
     seed: int = Field(0, ge=0)
     """Seeds the random streams of requests that carry no seed of their own."""
+    cuda_graphs: bool = True
+    """On CUDA, replay the decode pass from CUDA graphs (one per bucket of rows x key
+    columns, captured on first use); the KV cache is then allocated at full capacity up
+    front. Ignored on CPU."""
+    admit_min_rows: int = Field(8, ge=1, le=4096)
+    """While requests decode, waiting requests are admitted once this many can be
+    prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward
+    pass of its own, so fewer, larger prefills leave more time for decoding."""
+    admit_max_wait: int = Field(8, ge=0, le=1000)
+    """Most decode passes a waiting request waits for a batch to form (0: admit at once)."""
 
 
 class RemoteEngineConfig(_Model):
@@ -142,8 +152,9 @@ class CutoffConfig(_Model):
     """deadline: fixed deadline in seconds (None = learned)."""
     min_fraction: float = Field(0.7, ge=0.0, le=1.0)
     """deadline: never cut before this fraction of launched requests is done."""
-    quantile: float = Field(0.5, gt=0.0, le=1.0)
-    """deadline (learned): quantile of recent steps' completion times."""
+    quantile: float = Field(0.25, gt=0.0, le=1.0)
+    """deadline (learned): quantile of recent steps' completion times (the lower quartile:
+    steadier than the median against long and outlier steps; see cutoff.Deadline)."""
     slack: float = Field(0.3, ge=0.0, le=10.0)
     """deadline (learned): the deadline is the quantile times (1 + slack)."""
     history: int = Field(8, ge=1, le=1000)

@@ -21,10 +21,21 @@ What it mirrors (SGLang's ``http_server.py``, ``io_struct.py``, ``tokenizer_mana
   "num_accelerators", "loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs", ...}]}``;
   ``legacy_load=True`` serves the older ``GET /get_load`` list instead.
 * ``/flush_cache`` (400 "Flush cache failed." unless idle), ``/release_memory_occupation`` and
-  ``/resume_memory_occupation`` (``tags``; release only when idle), ``/update_weights_from_disk``
-  (waits for running requests unless ``abort_all_requests``; ``{"success", "message",
-  "num_paused_requests"}``), ``/health`` and ``/health_generate`` (503 until ready),
-  ``/model_info``.
+  ``/resume_memory_occupation`` (``tags``; release only when idle), ``/health`` and
+  ``/health_generate`` (503 until ready), ``/model_info``.
+* ``POST /update_weights_from_disk {"model_path", "load_format", "abort_all_requests",
+  "weight_version", "flush_cache", ...}``: like the real server's model-update lock, every
+  ``/generate`` call holds a reader share for its whole life and the update takes the writer
+  side, so it waits for running requests (aborting them all first with
+  ``abort_all_requests``) while new ones wait for it. It loads the ``*.safetensors`` (else
+  ``*.bin``) files of the directory: a missing directory or one without weight files fails
+  with HTTP 400 ``{"success": false, "message": "Failed to get weights iterator: ..."}`` and
+  the old weights stay. On success: HTTP 200 ``{"success": true, "message": "Succeeded to
+  update model weights.[ Weight version updated to V.]", "num_paused_requests": 0}``; the
+  prefix cache is flushed unless ``flush_cache`` is false; ``meta_info.weight_version`` of
+  later outputs is ``V``. The sampled tokens depend on the loaded weights (a checksum of the
+  files salts :func:`fake_token`), so loading different weights changes the outputs and
+  loading the same ones gives the same outputs again.
 
 Decoding is one token per ``step_s`` for every running request (at most ``max_running``);
 token ids and their log-probs are a pure function of (rid, position): see
@@ -52,13 +63,27 @@ VERSION = "0.5.23-fake"
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
-def fake_token(rid: str, pos: int, vocab: int) -> int:
-    """Token the fake samples for request ``rid`` at output position ``pos`` (never 0-2)."""
-    return 3 + zlib.crc32(f"{rid}:{pos}".encode()) % (vocab - 3)
+def fake_token(rid: str, pos: int, vocab: int, weights: str = "") -> int:
+    """Token the fake samples for request ``rid`` at output position ``pos`` (never 0-2)
+    under the loaded ``weights`` (their checksum; "" for the weights it started with)."""
+    return 3 + zlib.crc32(f"{weights}{rid}:{pos}".encode()) % (vocab - 3)
 
 
-def fake_logprob(rid: str, pos: int) -> float:
-    return -0.01 - (zlib.crc32(f"lp:{rid}:{pos}".encode()) % 1000) / 250.0
+def fake_logprob(rid: str, pos: int, weights: str = "") -> float:
+    return -0.01 - (zlib.crc32(f"lp:{weights}{rid}:{pos}".encode()) % 1000) / 250.0
+
+
+def weights_checksum(path: Path) -> str | None:
+    """Checksum of the weight files in ``path`` (None: no such directory or no weights)."""
+    if not path.is_dir():
+        return None
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not files:
+        return None
+    crc = 0
+    for f in files:
+        crc = zlib.crc32(f.read_bytes(), crc)
+    return f"{crc:08x}:"
 
 
 @dataclass
@@ -71,6 +96,10 @@ class FakeFaults:
     """Aborts and disconnects are ignored: requests decode on (a stuck scheduler)."""
     generate_errors: list[tuple[int, str]] = field(default_factory=list)
     """The next ``/generate`` calls fail with (HTTP status, message), in order."""
+    update_errors: list[str] = field(default_factory=list)
+    """The next ``/update_weights_from_disk`` calls fail while loading, in order, with
+    "Failed to update weights: <error>. Rolling back to original weights."; the old
+    weights and version stay."""
 
 
 @dataclass(eq=False)
@@ -121,6 +150,11 @@ class FakeSGLangServer:
         self.faults = faults or FakeFaults()
         self.model_path = model_path
         self.weight_version = "default"
+        self.weights = ""
+        """Checksum of the loaded weights ("": the ones it started with)."""
+        self.update_log: list[dict[str, Any]] = []
+        """Bodies of the ``/update_weights_from_disk`` calls, in order of arrival."""
+        self.cache_flushes = 0
         self.released: set[str] = set()
         self.waiting: list[FakeReq] = []
         self.running: list[FakeReq] = []
@@ -136,7 +170,10 @@ class FakeSGLangServer:
         self.changed = changed or asyncio.Condition()
         """Notified after every decode step, admission and abort (see :meth:`until`)."""
         self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
+        self._rw = asyncio.Condition()
+        self._readers = 0
+        self._writers_waiting = 0
+        self._writer_active = False
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._requests: dict[int, web.BaseRequest] = {}
@@ -221,8 +258,6 @@ class FakeSGLangServer:
             await self._notify()
             if not self.running and not self.waiting:
                 self._wake.clear()
-                async with self._idle:
-                    self._idle.notify_all()
 
     def _step(self, req: FakeReq) -> None:
         if req.to_abort:
@@ -232,9 +267,9 @@ class FakeSGLangServer:
         if self.eos_at is not None and pos == self.eos_at and not req.ignore_eos:
             tok = self.eos_id
         else:
-            tok = fake_token(req.rid, pos, self.vocab)
+            tok = fake_token(req.rid, pos, self.vocab, self.weights)
         req.output_ids.append(tok)
-        req.logprobs.append(fake_logprob(req.rid, pos))
+        req.logprobs.append(fake_logprob(req.rid, pos, self.weights))
         self.tokens += 1
         if req.abort_requested:
             req.tokens_after_abort += 1
@@ -288,6 +323,10 @@ class FakeSGLangServer:
             return_logprob=bool(body.get("return_logprob", False)),
             stream=bool(body.get("stream", False)),
         )
+        async with self._reading():
+            return await self._run(request, req)
+
+    async def _run(self, request: web.Request, req: FakeReq) -> web.StreamResponse:
         if self._live(req.rid) is not None:
             return _error(f"Duplicate request ID: {req.rid}")
         self.generate_log.append(req.rid)
@@ -459,24 +498,73 @@ class FakeSGLangServer:
         self.released.difference_update(tags)
         return web.json_response(None)
 
+    # -- the model-update lock: generate calls read, a weight update writes ----------------
+
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> Any:
+        async with self._rw:
+            await self._rw.wait_for(lambda: not self._writer_active and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._rw:
+                self._readers -= 1
+                self._rw.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> Any:
+        async with self._rw:
+            self._writers_waiting += 1
+            try:
+                await self._rw.wait_for(lambda: not self._writer_active and not self._readers)
+            finally:
+                self._writers_waiting -= 1
+                self._rw.notify_all()
+            self._writer_active = True
+        try:
+            yield
+        finally:
+            async with self._rw:
+                self._writer_active = False
+                self._rw.notify_all()
+
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.update_log.append(body)
         if body.get("abort_all_requests"):
             self._abort_matching("", True)
-        async with self._idle:
-            await self._idle.wait_for(lambda: not self.running and not self.waiting)
-        path = str(body.get("model_path", ""))
-        if not await asyncio.to_thread(Path(path).exists):
-            msg = f"Failed to get weights iterator: {path} (repository not found)."
-            return web.json_response(
-                {"success": False, "message": msg, "num_paused_requests": 0}, status=400
-            )
-        self.model_path = path
-        message = "Succeeded to update model weights."
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-            message += f" Weight version updated to {self.weight_version}."
+            self._wake.set()
+        async with self._writing():
+            path = str(body.get("model_path", ""))
+            weights = await asyncio.to_thread(weights_checksum, Path(path))
+            if weights is None:
+                exists = await asyncio.to_thread(Path(path).exists)
+                why = (
+                    f"Cannot find any model weights with `{path}`"
+                    if exists
+                    else f"{path} (repository not found)"
+                )
+                return _update_failed(f"Failed to get weights iterator: {why}.")
+            if self.faults.update_errors:
+                error = self.faults.update_errors.pop(0)
+                return _update_failed(
+                    f"Failed to update weights: {error}.\nRolling back to original weights."
+                )
+            self.model_path = path
+            self.weights = weights
+            if body.get("flush_cache", True):
+                self.cache_flushes += 1
+            message = "Succeeded to update model weights."
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+                message += f" Weight version updated to {self.weight_version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    @property
+    def update_waiting(self) -> bool:
+        """A weight update waits for running requests."""
+        return self._writers_waiting > 0
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self._ready.is_set() else 503)
@@ -499,6 +587,12 @@ class FakeSGLangServer:
 
 def _abort_reason() -> dict[str, Any]:
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def _update_failed(message: str) -> web.Response:
+    return web.json_response(
+        {"success": False, "message": message, "num_paused_requests": 0}, status=400
+    )
 
 
 def _error(message: str, status: int = 400) -> web.Response:

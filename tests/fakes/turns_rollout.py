@@ -34,7 +34,7 @@ class TurnsRollout:
             sample.active_request_id = None
             turn.output_tokens = len(result.output_ids)
             turn.finish_reason = result.finish_reason
-            sample.response_ids += result.output_ids
+            sample.response_ids.extend(result.output_ids)
             if result.finish_reason is FinishReason.ABORT:
                 sample.finish_reason = FinishReason.ABORT
                 return

@@ -134,9 +134,9 @@ class _Turns:
             sample.active_request_id = req.request_id
             result = await engine.generate(req)
             sample.active_request_id = None
-            sample.response_ids += result.output_ids
-            sample.logprobs += result.logprobs or []
-            sample.loss_mask += [1] * len(result.output_ids)
+            sample.response_ids.extend(result.output_ids)
+            sample.logprobs.extend(result.logprobs or [])
+            sample.loss_mask.extend([1] * len(result.output_ids))
             if result.finish_reason is FinishReason.ABORT:
                 sample.finish_reason = FinishReason.ABORT
                 return
@@ -222,6 +222,96 @@ def test_weight_reload_and_sleep_wake() -> None:
         assert (await engine.generate(_req(4))).finish_reason is FinishReason.LENGTH
 
     run(body)
+
+
+async def _restore(engine: VLLMEngine, server: VLLMServer) -> None:
+    """Put the served model's own weights back (later tests compare against them)."""
+    await engine.update_weights_from_disk(str(server.model), 0)
+
+
+def test_weight_sync_loads_the_actors_weights_and_tags_results(tmp_path: Any) -> None:
+    """The trainer's weight sync against real vLLM: the actor's weights are saved, the
+    server reloads them in place, greedy outputs become the actor's own, results carry the
+    version (client side and in /weight_info)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tailcut.train.actor import Actor
+    from tailcut.train.config import ActorConfig, AlgoConfig, SyncConfig
+    from tailcut.train.weight_sync import WeightSync
+
+    async def body(engine: VLLMEngine, server: VLLMServer) -> None:
+        model = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32)
+        actor = Actor(model, ActorConfig(), AlgoConfig(), norm_len=16, device=torch.device("cpu"))
+        sync = WeightSync(SyncConfig(keep=1), tmp_path)
+        before = (await engine.generate(_req(8, temperature=0.0))).output_ids
+        try:
+            metrics = await sync(engine, actor)  # version 0: the served weights themselves
+            same = await engine.generate(_req(8, temperature=0.0))
+            assert same.output_ids == before and same.weight_version == 0
+            with torch.no_grad():
+                actor.model.model.norm.weight.mul_(-1)  # a change greedy decoding must show
+            actor.version = 1
+            metrics = await sync(engine, actor)
+            after = await engine.generate(_req(8, temperature=0.0))
+            assert after.weight_version == 1 and await engine.weight_versions() == ["1"]
+            ids = torch.tensor([PROMPT])
+            expected = actor.model.generate(ids, max_new_tokens=8, do_sample=False)
+            assert after.output_ids != before
+            assert after.output_ids == expected[0, len(PROMPT) :].tolist()
+            assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000001"]
+            print(
+                f"\nvLLM weight sync: save {metrics['sync/save_s'] * 1e3:.0f} ms, "
+                f"reload {metrics['sync/load_s'] * 1e3:.0f} ms, {metrics['sync/bytes'] / 1e6:.1f} MB"
+            )
+        finally:
+            await _restore(engine, server)
+        assert (await engine.generate(_req(8, temperature=0.0))).output_ids == before
+
+    run(body)
+
+
+def test_tailcut_train_on_vllm_syncs_every_step(tmp_path: Any) -> None:
+    """``tailcut train engine.kind=vllm``: two GRPO steps on the served model; after each
+    update the server holds the new version and the tokens trained on were tagged with the
+    version that sampled them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tailcut.cli import app
+
+    server = asyncio.run(shared_server())
+    run_dir = tmp_path / "run"
+    args = [
+        "train", "engine.kind=vllm", f"engine.urls=[{server.url}]", f"engine.model={server.model}",
+        "data.batch_size=2", "algo.group_size=2", "data.val_size=2", "data.train_size=16",
+        "agent.max_turns=2", "agent.max_new_tokens=32", "agent.max_response_tokens=96",
+        "cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "trainer.steps=2",
+        "trainer.val_every=0", "trainer.save_every=0", "trainer.loggers=[jsonl]",
+        "actor.threads=1", f"trainer.run_dir={run_dir}",
+    ]  # fmt: skip
+    try:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output + repr(result.exception)
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if r["step"] > 0]
+        assert [r["sync/version"] for r in steps] == [1.0, 2.0]
+        assert all(r["train/version_lag_max"] == 0.0 for r in steps)
+        assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000001", "v000002"]
+
+        async def versions() -> list[str]:
+            async with VLLMEngine([server.url]) as engine:
+                return await engine.weight_versions()
+
+        assert asyncio.run(versions()) == ["2"]
+    finally:
+
+        async def restore() -> None:
+            async with VLLMEngine([server.url]) as engine:
+                await _restore(engine, server)
+
+        asyncio.run(restore())
 
 
 def test_tailcut_rollout_command_on_vllm(tmp_path: Any) -> None:

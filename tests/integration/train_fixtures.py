@@ -54,7 +54,8 @@ def prompts(n: int, offset: int = 0) -> list[dict[str, Any]]:
                 {"role": "system", "content": "Answer with ####."},
                 {"role": "user", "content": f"What is {i} times zero plus one?"},
             ],
-            "ground_truth": "1",
+            "data_source": "tailcut/arith",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
         }
         for i in range(offset, offset + n)
     ]

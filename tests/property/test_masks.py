@@ -126,7 +126,7 @@ def test_agent_loop_masks_select_exactly_the_sampled_text(chat_tokenizer, conv, 
     if sample.finish_reason is FinishReason.STOP:
         assert decode(tok, sampled) == "".join(r + "<|im_end|>" for r in replies)
         full = render_ids(tok, sample.messages, loop.schemas)
-        assert sample.prompt_ids + sample.response_ids + encode(tok, "\n") == full
+        assert [*sample.prompt_ids, *sample.response_ids, *encode(tok, "\n")] == full
     else:
         assert sample.finish_reason is FinishReason.LENGTH
     if n:

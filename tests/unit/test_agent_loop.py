@@ -125,7 +125,7 @@ def test_tool_call_then_answer_stops_with_reward_and_exact_tokens(chat_tokenizer
     _assert_aligned(tok, sample, [r + "<|im_end|>" for r in replies])
     # Incremental ids ≡ a full re-render of the final conversation (+ the closing newline).
     full = render_ids(tok, sample.messages, ToolSet({"echo": tool}).schemas())
-    assert sample.prompt_ids + sample.response_ids + encode(tok, "\n") == full
+    assert [*sample.prompt_ids, *sample.response_ids, *encode(tok, "\n")] == full
     assert sample.messages[3] == {"role": "tool", "name": "echo", "content": '{"text": "72"}'}
     kinds = [e["event"] for e in read_trace(tmp_path / "step_0" / "worker_0.jsonl")]
     assert kinds == [

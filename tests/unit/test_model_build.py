@@ -199,9 +199,11 @@ def test_batched_encoding_equals_whole_text_tokenization(tiny_dir):
 def test_builtin_model_is_useful_but_imperfect():
     """The real recipe (built once into the shared cache, a few minutes on 2 cores): greedy
     accuracy on held-out problems is above 0 and below 100%, and no higher on longer
-    problems, so RL has something to learn."""
+    problems; answers mostly come in words, not in the rewarded ``####`` format, so RL has
+    a format signal and an arithmetic one to learn from."""
     info = build.ensure_built().info
-    assert 0.01 <= info["accuracy"] <= 0.9
-    by_steps = {row["steps"]: row["accuracy"] for row in info["accuracy_by_steps"]}
-    assert by_steps["1"] >= by_steps["4-7"]
+    assert 0.1 <= info["accuracy_any_format"] <= 0.9
+    assert info["accuracy"] < info["accuracy_any_format"] / 2
+    by_steps = {row["steps"]: row["accuracy"] for row in info["accuracy_any_format_by_steps"]}
+    assert by_steps["1"] > by_steps["4-7"]
     assert 100_000 <= info["parameters"] <= 10_000_000

@@ -38,8 +38,9 @@ def test_resume_keeps_tokens_versions_and_logprobs() -> None:
     r = out.resumed[0]
     assert r is not s
     assert r.status is Status.PENDING and r.finish_reason is None
-    assert r.prompt_ids == [1, 2, 3] and r.response_ids == [10, 11, 12]
-    assert r.versions == [3, 3, 3] and r.logprobs == [-0.25] * 3 and r.loss_mask == [1] * 3
+    assert list(r.prompt_ids) == [1, 2, 3] and list(r.response_ids) == [10, 11, 12]
+    assert list(r.versions) == [3, 3, 3] and list(r.logprobs) == [-0.25] * 3
+    assert list(r.loss_mask) == [1] * 3
     assert len(r.turns) == 1 and r.messages == s.messages
     assert r.resumed_from_step == 5 and r.active_request_id is None and r.launched_at is None
     assert buf.baseline_rewards([7]) == {7: [1.0, 0.0]}
@@ -147,10 +148,11 @@ def test_resume_mid_generation_continues_from_prompt_plus_tokens(chat_tokenizer:
     engine = _run_resumed(chat_tokenizer, script, resumed, version=4)
     assert resumed.status is Status.COMPLETED and resumed.reward == 1.0
     n = len(partial_ids)
-    assert resumed.response_ids[:n] == partial_ids and resumed.versions[:n] == partial_versions
+    assert list(resumed.response_ids[:n]) == partial_ids
+    assert list(resumed.versions[:n]) == partial_versions
     assert set(resumed.versions[n:]) == {4} and len(resumed.response_ids) > n
     first = engine.requests[0]  # type: ignore[attr-defined]
-    assert first.prompt_ids == resumed.prompt_ids + partial_ids  # prompt + tokens so far
+    assert list(first.prompt_ids) == [*resumed.prompt_ids, *partial_ids]  # prompt + tokens so far
     assert resumed.messages[-1]["role"] == "assistant"
     assert len(resumed.loss_mask) == len(resumed.response_ids) == len(resumed.logprobs)
 
@@ -221,7 +223,7 @@ def test_resume_cut_inside_tool_call_replays_the_calls(chat_tokenizer: object) -
     engine2 = ScriptedEngine(chat_tokenizer, script, token_delay_s=0.01)  # type: ignore[arg-type]
     run_virtual(run_step(engine2, [resumed], loop, WaitAll(1), NULL_TRACER))
     assert resumed.status is Status.COMPLETED and tool.calls == 2  # the cut call ran again
-    assert resumed.response_ids[: len(before)] == before
+    assert list(resumed.response_ids[: len(before)]) == before
     assert len(engine2.requests) == 1  # no new generation for the replayed turn
     assert [m["role"] for m in resumed.messages[-3:]] == ["assistant", "tool", "assistant"]
     assert resumed.messages[-1]["content"] == "#### 7"

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tailcut.models import arith
+from tailcut.reward.arith import arith_score, extract_integer
 from tailcut.reward.dapo import dapo_score, normalize_answer
 from tailcut.reward.gsm8k import extract_answer, gsm8k_score
 from tailcut.reward.math import MathVerifier
@@ -187,7 +189,7 @@ def test_registry_resolves_names_data_sources_and_prefixes() -> None:
     assert reg.resolve("gsm8k_flexible", data_source="openai/gsm8k")[0] == "gsm8k_flexible"
     with pytest.raises(
         RewardError,
-        match=r"no reward function for data_source 'unknown/set'; known rewards: dapo, gsm8k",
+        match=r"no reward function for data_source 'unknown/set'; known rewards: arith, dapo, gsm8k",
     ):
         reg.resolve(data_source="unknown/set")
     with pytest.raises(ValueError, match="already registered"):
@@ -252,3 +254,63 @@ def test_sample_without_ground_truth_is_an_error() -> None:
     fn = sample_reward_fn(default_registry())
     with pytest.raises(RewardError, match=r"sample 3: no reward_model\.ground_truth"):
         asyncio.run(fn(_scored_sample(data_source="openai/gsm8k"), {}))
+
+
+# -- the synthetic arithmetic task ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "pred"),
+    [
+        ("First add 7.\n<tool_call>...</tool_call>\n#### 19", 19),
+        ("#### 19.", 19),
+        ("####19", 19),
+        ("#### -4", -4),
+        ("#### 3 and later #### 5", 5),
+        ("#### 1,234", None),  # not an integer literal
+        ("#### 12.5", None),
+        ("#### x", None),
+        ("####", None),
+        ("the answer is 19", None),
+    ],
+)
+def test_arith_reads_the_integer_after_the_last_marker(text: str, pred: int | None) -> None:
+    assert extract_integer(text) == pred
+
+
+def test_arith_format_rule() -> None:
+    assert arith_score("#### 19", "19").score == 1.0
+    assert arith_score("#### 019", "19").correct  # compared as integers
+    wrong = arith_score("#### 18", "19", format_score=0.1)
+    assert (wrong.score, wrong.well_formed, wrong.correct, wrong.pred) == (0.1, True, False, 18)
+    assert arith_score("#### 18", "19").score == 0.0  # format_score defaults to 0
+    missing = arith_score("19", "19", format_score=0.1)
+    assert (missing.score, missing.well_formed) == (0.0, False)
+    assert arith_score("#### 19.0", "19", format_score=0.1).score == 0.0  # malformed
+    with pytest.raises(ValueError, match=r"ground truth '1\.5' is not an integer"):
+        arith_score("#### 1", "1.5")
+
+
+def test_registry_resolves_the_arith_data_source() -> None:
+    reg = default_registry()
+    assert reg.resolve(data_source=arith.DATA_SOURCE)[0] == "arith"
+
+    async def main() -> list[RewardOutput]:
+        return [
+            await reg.score(RewardInput("First.\n#### 42", "42", arith.DATA_SOURCE)),
+            await reg.score(RewardInput("#### 41", "42", arith.DATA_SOURCE)),
+            await reg.score(RewardInput("no answer", "42", arith.DATA_SOURCE)),
+        ]
+
+    right, wrong, none = asyncio.run(main())
+    assert (right.score, right.metrics, right.pred) == (1.0, {"acc": 1.0, "format": 1.0}, "42")
+    assert (wrong.score, wrong.metrics, wrong.pred) == (0.0, {"acc": 0.0, "format": 1.0}, "41")
+    assert (none.score, none.metrics, none.pred) == (0.0, {"acc": 0.0, "format": 0.0}, None)
+    with pytest.raises(RewardError, match=r"reward 'arith' failed on data_source 'tailcut/arith'"):
+        asyncio.run(reg.score(RewardInput("#### 1", "one", arith.DATA_SOURCE)))
+
+
+def test_arith_format_score_is_configurable() -> None:
+    reg = default_registry(arith_format_score=0.25)
+    out = asyncio.run(reg.score(RewardInput("#### 41", "42", arith.DATA_SOURCE)))
+    assert out.score == 0.25

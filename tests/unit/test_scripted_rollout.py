@@ -45,8 +45,8 @@ def test_plays_every_turn_and_tool_with_exact_times_and_token_layout(tmp_path):
     n = 30 + 6 + 20 + 4 + 10
     assert len(sample.response_ids) == len(sample.loss_mask) == len(sample.logprobs) == n
     assert len(sample.versions) == n
-    assert sample.loss_mask == [1] * 30 + [0] * 6 + [1] * 20 + [0] * 4 + [1] * 10
-    assert sample.response_ids[30:36] == [TOOL_TOKEN] * 6
+    assert list(sample.loss_mask) == [1] * 30 + [0] * 6 + [1] * 20 + [0] * 4 + [1] * 10
+    assert list(sample.response_ids[30:36]) == [TOOL_TOKEN] * 6
     assert all(v == -1 for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m == 0)
     assert sample.generated_tokens == 60 and sample.active_request_id is None
     kinds = [e["event"] for e in events]

@@ -336,6 +336,7 @@ def test_memory_weights_and_cache_calls(tmp_path: Path) -> None:
             assert all(not s.released for s in servers)
             with pytest.raises(ValueError, match="unknown SGLang memory tag"):
                 await engine.release_memory(["gpu"])
+            (tmp_path / "model.safetensors").write_bytes(b"weights")
             await engine.update_weights_from_disk(str(tmp_path))
             assert [s.weight_version for s in servers] == ["1", "1"]
             assert (await engine.generate(_req(2))).weight_version == 1
@@ -399,9 +400,9 @@ class _Turns:
             sample.active_request_id = req.request_id
             result = await engine.generate(req)
             sample.active_request_id = None
-            sample.response_ids += result.output_ids
-            sample.logprobs += result.logprobs or []
-            sample.loss_mask += [1] * len(result.output_ids)
+            sample.response_ids.extend(result.output_ids)
+            sample.logprobs.extend(result.logprobs or [])
+            sample.loss_mask.extend([1] * len(result.output_ids))
             if result.finish_reason is FinishReason.ABORT:
                 sample.finish_reason = FinishReason.ABORT
                 return

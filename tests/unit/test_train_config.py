@@ -48,3 +48,18 @@ def test_overrides_apply_and_configs_load() -> None:
     tiny = load_train_config(CONFIGS / "arith-tiny.yaml", [])
     assert tiny.engine.model == "builtin" and tiny.data.task == "arith"
     assert tiny.engine.device == "cpu" and tiny.actor.device == "cpu"
+
+
+def test_rollout_workers_cut_globally() -> None:
+    assert load_train_config(None, []).rollout.workers == 1
+    many = load_train_config(None, ["rollout.workers=4"])
+    assert many.rollout.workers == 4 and many.cutoff.scope == "global"
+    with pytest.raises(ConfigError, match=r"cutoff\.scope: 'worker' gives each rollout worker"):
+        load_train_config(None, ["rollout.workers=2", "cutoff.scope=worker"])
+    with pytest.raises(ConfigError, match=r"rollout\.workers: 9 workers for data\.batch_size=8"):
+        load_train_config(None, ["rollout.workers=9"])
+    with pytest.raises(ConfigError) as err:
+        load_train_config(None, ["rollout.workers=0"])
+    assert "rollout.workers:" in str(err.value) and "allowed: 1 <= x <= 4096" in str(err.value)
+    with pytest.raises(ConfigError, match=r"rollout\.backend: Input should be 'local' or 'ray'"):
+        load_train_config(None, ["rollout.backend=mpi"])

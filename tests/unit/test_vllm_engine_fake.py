@@ -250,3 +250,24 @@ def test_dev_only_calls_explain_how_to_enable_them() -> None:
                 await engine.sleep(level=3)
 
     asyncio.run(main())
+
+
+def test_weight_reload_needs_dev_mode_and_checks_the_directory_first(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with fake_vllm(dev=False) as (_server, engine):
+            await engine.wait_ready()
+            with pytest.raises(EngineError, match="no such directory") as err:
+                await engine.update_weights_from_disk(str(tmp_path / "missing"))
+            assert "kills vLLM's engine core" in str(err.value)
+            with pytest.raises(EngineError, match=r"no config\.json"):
+                await engine.update_weights_from_disk(str(tmp_path))
+            (tmp_path / "config.json").write_text("{}")
+            with pytest.raises(EngineError, match=r"no \*\.safetensors or \*\.bin"):
+                await engine.update_weights_from_disk(str(tmp_path))
+            (tmp_path / "model.safetensors").write_bytes(b"w")
+            with pytest.raises(EngineError, match=r"has no /pause.*VLLM_SERVER_DEV_MODE=1"):
+                await engine.update_weights_from_disk(str(tmp_path), 3)
+            assert engine.weight_version == 0
+            assert (await engine.generate(_req(2))).weight_version == 0  # not left waiting
+
+    asyncio.run(main())

@@ -6,11 +6,19 @@ import pytest
 
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
 from tailcut.config import CutoffConfig, SimEngineConfig
-from tailcut.engine.sim import SimFaults
+from tailcut.engine.sim import SimEngine, SimFaults
+from tailcut.rollout.cutoff import TargetCount, WaitAll
 from tailcut.rollout.recipes import SimRecipe
 from tailcut.rollout.scheduler import StepFailed
-from tailcut.rollout.workers import LocalWorkers, split_offsets
-from tailcut.types import Status
+from tailcut.rollout.workers import (
+    LocalWorkers,
+    SharedRecipe,
+    StepAware,
+    plan_for_policy,
+    split_at_groups,
+    split_offsets,
+)
+from tailcut.types import FinishReason, Sample, Status
 from tailcut.vtime import run_virtual
 
 ENGINE = SimEngineConfig(decode_a_s=0.01, decode_c_s=0.0, prefill_s_per_token=0.0)
@@ -90,3 +98,132 @@ def test_dead_worker_fails_the_step_or_is_tolerated():
     assert all(s.status is Status.FAILED and "worker lost" in (s.error or "") for s in lost)
     assert all(s.status is Status.COMPLETED for s in res.samples[:4])
     assert res.kept == [0, 1, 2, 3]
+
+
+# -- one caller-owned policy over many workers (the trainer's plan) -------------------------
+
+
+def test_split_at_groups_cuts_only_between_groups():
+    assert split_at_groups([0, 0, 1, 1, 2, 2, 3, 3], 2) == [0, 4, 8]
+    assert split_at_groups([0, 0, 1, 1, 2, 2, 3, 3], 3) == [0, 2, 6, 8]  # nearest to n·r/W
+    # Resumed stragglers first (groups 7, 5), then whole fresh groups.
+    assert split_at_groups([7, 5, 9, 9, 9, 9, 10, 10, 10, 10], 2) == [0, 6, 10]
+    assert split_at_groups([4, 4, 4], 1) == [0, 3]
+    with pytest.raises(ValueError, match="2 runs of groups cannot be spread over 3 workers"):
+        split_at_groups([0, 0, 1, 1], 3)
+
+
+def test_plan_for_policy_runs_one_policy_over_the_step():
+    policy = TargetCount(8, 2, abort_ratio=0.25)
+    one = plan_for_policy(policy, [i // 2 for i in range(8)], 1)
+    assert one.policies == [policy] and one.coordinator_policy is None and one.offsets == [0, 8]
+    many = plan_for_policy(policy, [i // 2 for i in range(8)], 2)
+    assert many.coordinator_policy is policy and many.offsets == [0, 4, 8]
+    assert all(isinstance(p, WaitAll) and p.n_launch == 4 for p in many.policies)
+    with pytest.raises(ValueError, match="launches 8 samples, got 6"):
+        plan_for_policy(policy, [0] * 6, 2)
+
+
+class _Recorder:
+    """A rollout fn that records the step and global index it was told (StepAware)."""
+
+    def __init__(self) -> None:
+        self.step, self.offset, self.seen = -1, -1, []
+
+    def set_step(self, step: int, index_offset: int = 0) -> None:
+        self.step, self.offset = step, index_offset
+
+    async def __call__(self, sample, engine, tracer):
+        self.seen.append((self.step, self.offset + sample.index, sample.group))
+        sample.finish_reason = FinishReason.STOP
+
+
+def test_workers_tell_a_step_aware_rollout_its_global_indices():
+    rollouts: dict[int, _Recorder] = {}
+
+    def make(rank: int) -> _Recorder:
+        return rollouts.setdefault(rank, _Recorder())
+
+    async def main():
+        engine = SimEngine(ENGINE)
+        pool = LocalWorkers(CutoffConfig(policy="wait-all"), SharedRecipe(engine, make), 3)
+        samples = [Sample(index=i, group=i // 2) for i in range(12)]
+        plan = plan_for_policy(WaitAll(12, 2), [s.group for s in samples], 3)
+        try:
+            return plan, await pool.run_step(5, plan, samples)
+        finally:
+            await pool.aclose()
+            assert await engine.in_flight() == []  # closing the workers left it usable
+
+    plan, res = run_virtual(main())
+    assert plan.offsets == [0, 4, 8, 12]
+    seen = sorted(x for r in rollouts.values() for x in r.seen)
+    assert seen == [(5, i, i // 2) for i in range(12)]
+    assert res.kept == list(range(12)) and [s.index for s in res.samples] == list(range(12))
+
+
+def test_single_worker_merge_keeps_the_cut_reason_and_stats():
+    cfg = CutoffConfig(policy="target-count", abort_ratio=0.25)
+    policy = TargetCount(8, 1, abort_ratio=0.25)
+
+    async def main():
+        pool = LocalWorkers(cfg, SimRecipe(ENGINE), 1)
+        plan = plan_for_policy(policy, list(range(8)), 1)
+        try:
+            return await pool.run_step(0, plan, _skewed(8, 2, hard_worker=1))
+        finally:
+            await pool.aclose()
+
+    res = run_virtual(main())
+    assert res.cut_reason == "target" and res.aborted >= 1 and len(res.kept) == 6
+    assert res.abort_to_idle_s is not None and res.engine_stats is not None
+    assert res.engine_stats.aborted >= 1
+
+
+def test_the_trainers_seeded_rollout_seeds_by_global_index():
+    import asyncio
+
+    from tailcut.train.seeding import SeededRollout, mix
+    from tailcut.types import GenerateRequest, GenerateResult, new_request_id
+
+    seeds: list[int | None] = []
+
+    class Capture:
+        name = "capture"
+
+        async def generate(self, request: GenerateRequest) -> GenerateResult:
+            seeds.append(request.sampling.seed)
+            return GenerateResult(request.request_id, [], FinishReason.STOP)
+
+    async def inner(sample, engine, tracer):
+        await engine.generate(GenerateRequest(new_request_id(), [1]))
+
+    seeded = SeededRollout(inner, seed=3, stream=0)
+    assert isinstance(seeded, StepAware)
+    seeded.set_step(4, index_offset=8)
+    asyncio.run(seeded(Sample(index=1), Capture(), None))  # type: ignore[arg-type]
+    seeded.set_step(4)
+    asyncio.run(seeded(Sample(index=9), Capture(), None))  # type: ignore[arg-type]
+    # Sample 1 of the worker holding 8.. is seeded as global sample 9 of one worker.
+    assert seeds[0] == seeds[1] == mix(mix(3, 0, 4, 9), 1)
+
+
+class _Interrupt(BaseException):
+    """Like KeyboardInterrupt, without asyncio's special handling of that one."""
+
+
+def test_an_interrupt_in_a_worker_is_not_a_worker_failure():
+    class Interrupting:
+        async def __call__(self, sample, engine, tracer):
+            raise _Interrupt
+
+    async def main():
+        cfg = CutoffConfig(policy="wait-all", tolerate_worker_loss=True)
+        pool = LocalWorkers(cfg, SharedRecipe(SimEngine(ENGINE), lambda r: Interrupting()), 2)
+        samples = [Sample(index=i, group=i) for i in range(4)]
+        return await pool.run_step(0, plan_for_policy(WaitAll(4), [0, 1, 2, 3], 2), samples)
+
+    # Not turned into a tolerated worker loss (the step's TaskGroup groups it).
+    with pytest.raises(BaseExceptionGroup) as err:
+        run_virtual(main())
+    assert err.group_contains(_Interrupt)

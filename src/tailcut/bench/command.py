@@ -18,7 +18,10 @@ POLICIES_HELP = "wait-all, target-count, over-provision, group-quota, deadline"
 
 
 def bench(
-    engine: Annotated[str, typer.Option(help="sim (simulated) or hf (embedded model).")] = "sim",
+    engine: Annotated[
+        str,
+        typer.Option(help="sim (simulated), hf (embedded model) or batch (batch assembly)."),
+    ] = "sim",
     workload: Annotated[
         str, typer.Option(help="Named workload: seed-gsm8k, skewed, outlier.")
     ] = "seed-gsm8k",
@@ -105,8 +108,15 @@ def bench(
     if engine == "hf":
         _hf(locals())
         return
+    if engine == "batch":  # rows: --requests (default 512); sizes in bench/batch_bench.py
+        from tailcut.bench.batch_bench import main as batch_main
+
+        batch_main(["--rows", str(requests or 512), *(["--json"] if json_out else [])])
+        return
     if engine != "sim":
-        raise typer.BadParameter(f"unknown engine {engine!r}; use sim or hf", param_hint="--engine")
+        raise typer.BadParameter(
+            f"unknown engine {engine!r}; use sim, hf or batch", param_hint="--engine"
+        )
     from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, build_policy, run_sim_bench
     from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
     from tailcut.config import SimEngineConfig

@@ -220,12 +220,16 @@ def run_hf_bench(
     repeats: int = 1,
     abort_trials: int = 5,
     threads: int | None = None,
+    engine_options: dict[str, Any] | None = None,
     **sim_options: Any,
 ) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON with ``json_out``) and return the figures.
 
     The engine and ``generate`` runs alternate ``repeats`` times; the reported ratio is the
     median of the per-pair ratios (robust to load changing on a shared machine).
+    ``engine_options`` overrides fields of the engine's ``HFEngineConfig`` (e.g.
+    ``{"cuda_graphs": False}``). On CUDA the decode pass's graphs are captured after the
+    warm-up, outside the timed runs (``graphs.capture_s`` reports how long that took).
     ``sim_options`` takes the options of ``tailcut bench`` that only the simulated
     benchmark uses (workload, policies, ...); they do not apply here and are ignored.
     """
@@ -244,7 +248,9 @@ def run_hf_bench(
     wl = make_workload(vocab, requests, max_new_tokens, seed=seed, eos=lengths == "eos")
     if model == "builtin" and lengths == "eos":  # the task the model was trained on
         wl = Workload(builtin_prompts(requests, seed), wl.budgets, True)
-    figures = asyncio.run(_measure(lm, wl, concurrency, repeats, abort_trials))
+    figures = asyncio.run(
+        _measure(lm, wl, concurrency, repeats, abort_trials, engine_options or {})
+    )
     figures.update(
         model=model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
         params=sum(p.numel() for p in lm.parameters()), requests=requests,
@@ -261,7 +267,12 @@ def run_hf_bench(
 
 
 async def _measure(
-    lm: Any, wl: Workload, concurrency: int, repeats: int, abort_trials: int
+    lm: Any,
+    wl: Workload,
+    concurrency: int,
+    repeats: int,
+    abort_trials: int,
+    engine_options: dict[str, Any],
 ) -> dict[str, Any]:
     from tailcut.config import HFEngineConfig
     from tailcut.engine.hf import HFEngine
@@ -269,7 +280,7 @@ async def _measure(
 
     eos = eos_token_ids(lm)
     longest_prompt = max(len(p) for p in wl.prompts)
-    cfg = HFEngineConfig(max_seq_len=longest_prompt + max(wl.budgets) + 16)
+    cfg = HFEngineConfig(max_seq_len=longest_prompt + max(wl.budgets) + 16, **engine_options)
     engine = HFEngine(lm, cfg, max_batch_size=concurrency)
     engine_runs: list[dict[str, float]] = []
     generate_runs: list[dict[str, float]] = []
@@ -277,6 +288,9 @@ async def _measure(
         warm = Workload(wl.prompts[:concurrency], [4] * min(concurrency, len(wl.prompts)), False)
         await engine_run(engine, warm, concurrency)
         await asyncio.to_thread(generate_run, lm, warm, concurrency, eos)
+        start = time.perf_counter()
+        graphs: dict[str, Any] = {"count": await engine.capture_graphs()}
+        graphs["capture_s"] = time.perf_counter() - start
         for _ in range(repeats):
             engine_runs.append(await _engine_figures(engine, wl, concurrency))
             gen_s, useful, computed = await asyncio.to_thread(
@@ -303,6 +317,7 @@ async def _measure(
             ],
             "abort": await abort_latency(engine, wl, concurrency, abort_trials, cancel=False),
             "cancel": await abort_latency(engine, wl, concurrency, abort_trials, cancel=True),
+            "graphs": graphs,
             "memory": dict(
                 zip(("kv_cache_bytes", "kv_capacity_bytes"), engine.kv_cache_bytes, strict=True)
             ),
@@ -313,14 +328,22 @@ async def _measure(
 
 
 async def _engine_figures(engine: Any, wl: Workload, concurrency: int) -> dict[str, float]:
-    passes, generated = engine.counters.decode_passes, engine.counters.generated_tokens
+    c = engine.counters
+    before = (c.decode_passes, c.prefill_passes, c.graph_passes, c.generated_tokens)
     seconds, results = await engine_run(engine, wl, concurrency)
     tokens = sum(len(r.output_ids) for r in results)
-    passes = engine.counters.decode_passes - passes
+    passes, prefills, replays, generated = (
+        now - then
+        for now, then in zip(
+            (c.decode_passes, c.prefill_passes, c.graph_passes, c.generated_tokens),
+            before,
+            strict=True,
+        )
+    )
     return {
         "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-        "decode_passes": passes,
-        "mean_batch": (engine.counters.generated_tokens - generated) / max(1, passes),
+        "decode_passes": passes, "prefill_passes": prefills, "graph_passes": replays,
+        "mean_batch": generated / max(1, passes),
     }  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tailcut.types import Sample
+from tailcut.types import Sample, token_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +386,7 @@ def make_samples(trajectories: Sequence[Trajectory]) -> list[Sample]:
         Sample(
             index=i,
             group=t.group,
-            prompt_ids=[1 + (t.group % 997)] * t.prompt_tokens,
+            prompt_ids=token_array([1 + (t.group % 997)]) * t.prompt_tokens,
             data={"trajectory": t},
         )
         for i, t in enumerate(trajectories)

@@ -5,8 +5,10 @@ Rows follow verl's multi-turn-with-tool layout: ``data_source`` ``tailcut/arith`
 fine-tuned on, ``reward_model.ground_truth`` (the answer), and ``extra_info`` with the
 split, index, question, a reference solution, the number of steps, and
 ``tools_kwargs.calculator``. A ``tools.yaml`` (verl's tool-config shape) next to the
-parquet files names the ``calculator`` tool. The answer is scored like GSM8K's strict mode
-(the number after ``####``).
+parquet files names the ``calculator`` tool. The reward registry resolves ``tailcut/arith``
+to ``reward/arith.py``: the integer after the last ``####`` against the ground truth
+(rules there). ``tailcut train`` with ``data.task=arith`` builds its rows with
+:func:`make_row` too, so the trainer and the files score alike.
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ KV cache (``hf_cache.py``), driven by one worker thread (``hf_worker.py``).
   sampled from by default, or temperature-scaled, or raw at temperature 1); temperature,
   top-p, ``max_new_tokens``, stop ids and EOS (unless ``ignore_eos``) per request;
   per-request seeds (each request has its own random stream, independent of its batch).
+* GPU efficiency: per forward pass the host does a fixed number of device calls and waits
+  on the device once (``hf_step.py``: inputs in one copy per kind, the whole batch sampled
+  on the device, tokens and log-probs back in one copy); on CUDA the decode pass replays a
+  CUDA graph per bucket of rows x key columns (``hf_graphs.py``, ``cuda_graphs``). When
+  more requests wait than slots are free, refills are batched (``admit_min_rows``,
+  ``admit_max_wait``) so that prefill passes, which run eagerly, stay few.
 * ``update_weights(state_dict, version)`` copies weights in place between two forward
   passes. Requests already running continue on the new weights; each result carries the
   weight version that sampled its first token.
@@ -59,15 +65,7 @@ class HFEngine(BaseEngine):
         self.eos_ids = frozenset(eos_token_ids(model) if eos_ids is None else eos_ids)
         params = inspect.signature(model.forward).parameters
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._worker = SlotWorker(
-            model,
-            slots=max_batch_size,
-            max_seq_len=cfg.max_seq_len,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            kv_block_size=cfg.kv_block_size,
-            logprob_mode=cfg.logprobs,
-            cache_kwarg=cache_kwarg,
-        )
+        self._worker = SlotWorker(model, cfg, slots=max_batch_size, cache_kwarg=cache_kwarg)
         self._seed_counter = 0
         self._closed = False
 
@@ -150,6 +148,12 @@ class HFEngine(BaseEngine):
 
     async def stats(self) -> EngineStats:
         return self._worker.stats()
+
+    async def capture_graphs(self, max_width: int | None = None) -> int:
+        """Capture the decode pass's CUDA graphs for every bucket up to ``max_width`` key
+        columns now rather than on first use (call while no request runs; a no-op without
+        graphs). Returns the number of graphs held."""
+        return int(await self._worker.command(lambda: self._worker.capture_graphs(max_width)))
 
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Copy ``state_dict`` into the model between two forward passes; tokens sampled

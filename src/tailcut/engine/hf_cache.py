@@ -10,7 +10,8 @@
     ...     (slots 0..rows-1 are the running requests, always contiguous)
 
 Running requests occupy slots ``0 .. rows-1`` without holes: when a request leaves, the
-last row's keys/values move into its slot (one copy of that row), so a decode step reads
+last row's keys/values move into its slot (one indexed copy for all the rows that leave
+at one step boundary), so a decode step reads
 ``buf[..., :rows, :, :width]`` as a view — no gather, no re-padding when requests come and
 go. Each row has its own ``end`` (tokens cached) and its own RoPE positions; a per-row
 attention mask hides the columns a row does not own.
@@ -81,8 +82,11 @@ class SlotKVCache:
     """KV storage for ``shape.slots`` requests of up to ``shape.max_seq_len`` tokens.
 
     Columns are allocated on demand (doubling, up to ``max_seq_len``), so a small model
-    with short requests does not hold the whole capacity; zero-filled, so a masked column
-    never holds a NaN that ``0 * NaN`` would spread through the attention product.
+    with short requests does not hold the whole capacity — or all at once
+    (``initial_columns=max_seq_len``) when CUDA graphs must find the cache at a fixed
+    address. Zero-filled, and a free slot only ever receives keys/values the model
+    computed (padding rows), so a masked column never holds a NaN that ``0 * NaN`` would
+    spread through the attention product.
     """
 
     def __init__(self, shape: KVShape, initial_columns: int = 256) -> None:
@@ -163,10 +167,17 @@ class SlotKVCache:
         return self._width
 
     # -- slot bookkeeping ---------------------------------------------------------------
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (all layers)."""
-        if src != dst and length > 0:
+    def move_rows(self, moves: list[tuple[int, int]], length: int) -> None:
+        """Copy the first ``length`` columns of each ``(src, dst)`` slot pair (all layers),
+        in one indexed copy; sources and destinations must be disjoint."""
+        if not moves or length <= 0:
+            return
+        if len(moves) == 1:
+            src, dst = moves[0]
             self.buf[:, :, dst, :, :length] = self.buf[:, :, src, :, :length]
+            return
+        index = torch.tensor(moves, dtype=torch.long).T.to(self.shape.device, non_blocking=True)
+        self.buf[:, :, index[1], :, :length] = self.buf[:, :, index[0], :, :length]
 
 
 def decode_mask(ends: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -55,6 +55,8 @@ class Counters:
     dropped_after_abort: int = 0
     """Tokens computed by a pass already running when the abort arrived, then discarded."""
     weight_updates: int = 0
+    graph_passes: int = 0
+    """Decode passes replayed from a CUDA graph."""
 
 
 @dataclass(eq=False, slots=True)

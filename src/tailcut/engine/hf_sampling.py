@@ -34,12 +34,16 @@ def sample_tokens(
     top_p: torch.Tensor,
     uniform: torch.Tensor,
     mode: LogprobMode = "sampled",
+    *,
+    nucleus: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[rows, vocab]``.
 
     ``temperature``, ``top_p`` and ``uniform`` are ``[rows]`` float tensors on the logits'
-    device; ``temperature <= 0`` means greedy. Returns ``(tokens [rows] long,
-    logprobs [rows] float32)``.
+    device; ``temperature <= 0`` means greedy. ``nucleus`` says whether any row has
+    ``top_p < 1`` (the caller knows it; None: read it from ``top_p``, a device sync).
+    Nothing here waits for the device. Returns ``(tokens [rows] long, logprobs [rows]
+    float32)``.
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -47,7 +51,9 @@ def sample_tokens(
     scaled_logp = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = scaled_logp.exp()
     u = uniform.clamp(0.0, _U_MAX)
-    if bool((top_p < 1.0).any()):
+    if nucleus is None:
+        nucleus = bool((top_p < 1.0).any())
+    if nucleus:
         tokens, sampled_lp = _sample_nucleus(probs, top_p, u)
     else:
         tokens, sampled_lp = _sample_full(probs, scaled_logp, u)

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from tailcut.config import HFEngineConfig
 from tailcut.engine.base import EngineDied, EngineError, EngineStats
-from tailcut.engine.hf_cache import SlotKVCache, decode_mask, kv_shape_for, prefill_mask
+from tailcut.engine.hf_cache import SlotKVCache, kv_shape_for
 from tailcut.engine.hf_records import Command, Counters, Live, Waiter, post
-from tailcut.engine.hf_sampling import LogprobMode, sample_tokens
+from tailcut.engine.hf_step import PassRunner
 from tailcut.types import FinishReason, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -44,27 +45,23 @@ log = logging.getLogger(__name__)
 class SlotWorker:
     """Continuous batching over a :class:`SlotKVCache`, driven by one worker thread."""
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        slots: int,
-        max_seq_len: int,
-        max_prefill_tokens: int,
-        kv_block_size: int,
-        logprob_mode: LogprobMode,
-        cache_kwarg: str,
-    ) -> None:
-        self._model = model
-        self._cache = SlotKVCache(kv_shape_for(model, slots, max_seq_len))
-        self._device = self._cache.shape.device
-        self._dtype = self._cache.shape.dtype
+    def __init__(self, model: Any, cfg: HFEngineConfig, *, slots: int, cache_kwarg: str) -> None:
+        shape = kv_shape_for(model, slots, cfg.max_seq_len)
+        graphs = cfg.cuda_graphs and shape.device.type == "cuda"
+        # CUDA graphs read the cache at fixed addresses: allocate it whole, once
+        self._cache = SlotKVCache(shape, shape.max_seq_len if graphs else 256)
+        self._runner = PassRunner(
+            model, self._cache, cache_kwarg=cache_kwarg, logprob_mode=cfg.logprobs,
+            graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens,
+        )  # fmt: skip
         self.slots = slots
-        self.max_seq_len = self._cache.shape.max_seq_len
-        self._max_prefill_tokens = max_prefill_tokens
-        self._block = kv_block_size
-        self._mode: LogprobMode = logprob_mode
-        self._cache_kwarg = cache_kwarg
+        self.max_seq_len = shape.max_seq_len
+        self._max_prefill_tokens = cfg.max_prefill_tokens
+        self._block = cfg.kv_block_size
+        self._admit_min_rows = cfg.admit_min_rows
+        self._admit_max_wait = cfg.admit_max_wait
+        self._starved = 0
+        """Decode passes run while requests waited for slots that were free."""
         self._cv = threading.Condition()
         self._waiting: deque[Live] = deque()
         self._rows: list[Live] = []
@@ -135,6 +132,13 @@ class SlotWorker:
     def kv_cache_bytes(self) -> tuple[int, int]:
         """(allocated now, capacity) of the KV cache in bytes."""
         return self._cache.allocated_bytes, self._cache.shape.bytes
+
+    def capture_graphs(self, max_width: int | None) -> int:
+        """Capture every decode bucket's graph (called on the worker thread, between
+        passes; refused while requests run, since capturing first runs each bucket)."""
+        if self._rows:
+            raise EngineError("capture_graphs needs an idle engine (requests are running)")
+        return self._runner.decoder.capture_all(max_width)
 
     def set_version(self, version: int) -> None:
         """Tag tokens sampled from now on with ``version`` (called on the worker thread)."""
@@ -219,7 +223,22 @@ class SlotWorker:
         return True
 
     def _admit(self) -> list[Live]:
-        """Under the lock: move waiting requests into free slots (FIFO, prefill budget)."""
+        """Under the lock: move waiting requests into free slots (FIFO, prefill budget).
+
+        While rows decode, admission waits until ``admit_min_rows`` requests can be
+        prefilled together, or for at most ``admit_max_wait`` decode passes."""
+        free = self.slots - len(self._rows)
+        if not self._waiting or free == 0:
+            self._starved = 0
+            return []
+        if (
+            self._rows
+            and min(free, len(self._waiting)) < self._admit_min_rows
+            and self._starved < self._admit_max_wait
+        ):
+            self._starved += 1  # the decode pass about to run leaves these slots empty
+            return []
+        self._starved = 0
         batch: list[Live] = []
         width = 0
         while self._waiting and len(self._rows) < self.slots:
@@ -246,65 +265,33 @@ class SlotWorker:
                     [(x, FinishReason.FAILED) for x in rows if x.request_id in self._live], error
                 )
 
-    def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kw: Any
-    ) -> torch.Tensor:
-        kw[self._cache_kwarg] = self._cache
-        out = self._model(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask={"full_attention": mask},
-            use_cache=True,
-            **kw,
-        )
-        return out.logits[:, -1]
-
     def _prefill(self, batch: list[Live], pass_id: int) -> None:
-        lengths = [len(x.request.prompt_ids) for x in batch]
-        width = max(lengths)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, x in enumerate(batch):
-            ids[i, : lengths[i]] = torch.tensor(x.request.prompt_ids, dtype=torch.long)
-        lens = torch.tensor(lengths, dtype=torch.long, device=self._device)
-        pos = torch.arange(width, device=self._device).expand(len(batch), width)
-        self._cache.begin_prefill(batch[0].row, len(batch), width)
-        mask = prefill_mask(lens, width, self._dtype)
-        logits = self._forward(ids.to(self._device), pos, mask, logits_to_keep=(lens - 1)[:, None])
-        for x, n in zip(batch, lengths, strict=True):
-            x.end = n
-        self._accept(batch, logits, pass_id)
+        tokens, logprobs = self._runner.prefill(batch)
+        for x in batch:
+            x.end = len(x.request.prompt_ids)
+        self._accept(batch, tokens, logprobs, pass_id)
         self.counters.prefill_passes += 1
 
     def _decode(self, rows: list[Live], pass_id: int) -> None:
-        ends_list = [x.end for x in rows]
-        ends = torch.tensor(ends_list, dtype=torch.long, device=self._device)
-        last = torch.tensor([[x.output[-1]] for x in rows], dtype=torch.long, device=self._device)
-        self._cache.begin_decode(ends, max(ends_list) + 1)
-        mask = decode_mask(ends, self._cache.width, self._dtype)
-        logits = self._forward(last, ends[:, None], mask)
+        replays = self._runner.decoder.replays
+        tokens, logprobs = self._runner.decode(rows)
         for x in rows:
             x.end += 1
-        self._accept(rows, logits, pass_id)
+        self._accept(rows, tokens, logprobs, pass_id)
         self.counters.decode_passes += 1
+        self.counters.graph_passes += self._runner.decoder.replays - replays
 
-    def _accept(self, rows: list[Live], logits: torch.Tensor, pass_id: int) -> None:
-        """Sample one token per row, then (under the lock) append and retire finished rows.
+    def _accept(
+        self, rows: list[Live], tokens: list[int], logprobs: list[float], pass_id: int
+    ) -> None:
+        """Append one sampled token per row, then retire finished rows (under the lock).
 
         A row whose abort has arrived gets no token. If the abort arrived while this pass
         was running, its token is dropped; if it arrived before this pass started, the pass
         should never have included the row: counted in ``tokens_after_abort``."""
-        req = [x.request.sampling for x in rows]
-        temp = torch.tensor([s.temperature for s in req], dtype=torch.float32)
-        top_p = torch.tensor([s.top_p for s in req], dtype=torch.float32)
-        uni = torch.tensor([x.rng.random() for x in rows], dtype=torch.float32)
-        dev = logits.device
-        tokens, logprobs = sample_tokens(
-            logits, temp.to(dev), top_p.to(dev), uni.to(dev), self._mode
-        )
-        tok_list, lp_list = tokens.tolist(), logprobs.tolist()
         with self._cv:
             done: list[tuple[Live, FinishReason]] = []
-            for x, tok, lp in zip(rows, tok_list, lp_list, strict=True):
+            for x, tok, lp in zip(rows, tokens, logprobs, strict=True):
                 if x.abort_at is not None:
                     if pass_id > x.abort_at:
                         self.counters.tokens_after_abort += 1
@@ -342,9 +329,7 @@ class SlotWorker:
         self, items: Sequence[tuple[Live, FinishReason]], error: BaseException | None = None
     ) -> None:
         """Free the slots of ``items``, deliver their results, wake abort waiters."""
-        for x, _ in sorted(items, key=lambda item: item[0].row, reverse=True):
-            if x.row >= 0:
-                self._free_row(x.row)
+        self._free_rows([x.row for x, _ in items if x.row >= 0])
         for x, reason in items:
             del self._live[x.request_id]
             if reason is FinishReason.ABORT:
@@ -353,17 +338,26 @@ class SlotWorker:
             post(x.loop, x.future, self._result(x, reason), error)
         self._wake_waiters()
 
-    def _free_row(self, row: int) -> None:
-        """Remove ``row``; the last row moves into its slot so rows stay contiguous."""
-        last = len(self._rows) - 1
-        gone = self._rows[row]
-        if row != last:
-            moved = self._rows[last]
-            self._cache.move_row(last, row, moved.end)
-            self._rows[row] = moved
-            moved.row = row
-        self._rows.pop()
-        gone.row = -1
+    def _free_rows(self, rows: list[int]) -> None:
+        """Remove ``rows``; each freed slot takes the then-last row, so rows stay contiguous.
+
+        Rows are renumbered first, then every moved row's keys/values go from the slot
+        they were in to their new slot in one indexed copy (the sources all lie past the
+        new row count, the destinations before it)."""
+        origin: dict[Live, int] = {}
+        for row in sorted(rows, reverse=True):
+            last = len(self._rows) - 1
+            gone = self._rows[row]
+            if row != last:
+                moved = self._rows[last]
+                origin.setdefault(moved, last)
+                self._rows[row] = moved
+                moved.row = row
+            self._rows.pop()
+            gone.row = -1
+        if origin:
+            moves = [(src, x.row) for x, src in origin.items()]
+            self._cache.move_rows(moves, max(x.end for x in origin))
 
     def _result(self, x: Live, reason: FinishReason) -> GenerateResult:
         return GenerateResult(

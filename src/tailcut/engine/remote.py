@@ -19,6 +19,13 @@ the connection down before the server has been told; ``abort`` then settles the 
 
 A connection lost outside an abort raises ``EngineDied`` naming the server and request; a
 server that is gone holds no requests, so aborts skip it.
+
+Weights (:meth:`RemoteEngine.update_weights_from_disk`)::
+
+    new requests wait (client side) ─► optionally abort ours still running (verified)
+      ─► every live server loads the directory, concurrently (server-specific; each lets
+         what still runs finish first) ─► all answered: results of requests started from
+         now on carry the new version ─► new requests go
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import asyncio
 import contextlib
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +122,10 @@ class RemoteEngine(BaseEngine):
         self._tasks: set[asyncio.Task[GenerateResult]] = set()
         self._dead: dict[int, str] = {}
         self._rr = 0
+        self._weights_idle = asyncio.Event()
+        """Clear while a weight update runs: new requests wait for it."""
+        self._weights_idle.set()
+        self._weights_lock = asyncio.Lock()
         self._ready = False
         self._ready_lock = asyncio.Lock()
         self._closed = False
@@ -146,6 +157,11 @@ class RemoteEngine(BaseEngine):
     async def _on_ready(self) -> None:
         """Runs once, after every server passed its health check."""
 
+    @abstractmethod
+    async def _load_weights(self, server: ServerClient, model_path: str, version: int) -> None:
+        """Make ``server`` load the weights in ``model_path`` and tag its outputs with
+        ``version``; raise ``EngineError`` with the server's message if it could not."""
+
     # -- generate ------------------------------------------------------------------------
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -171,6 +187,7 @@ class RemoteEngine(BaseEngine):
         self._flights[flight.rid] = flight
         try:
             await self.wait_ready()
+            await self._weights_idle.wait()  # a request never straddles a weight update
             flight.server = self._pick()
         except BaseException:
             self._flights.pop(flight.rid, None)
@@ -356,6 +373,80 @@ class RemoteEngine(BaseEngine):
                 return False
             await asyncio.sleep(min(wait_s, remaining))  # remote counters: nothing to await
             wait_s = min(wait_s * 2, self.config.reabort_interval_s)
+
+    # -- weights -----------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None, *, abort_in_flight: bool = False
+    ) -> None:
+        """Load the Hugging Face weights saved in ``model_path`` (same architecture; read by
+        the servers at that path) on every server. Results of requests started afterwards
+        carry ``weight_version`` (default: the current one plus one).
+
+        New requests wait until every server has answered. With ``abort_in_flight`` our
+        requests still running are aborted first; otherwise each server lets running
+        requests finish under the old weights (and they keep the old version). If a server
+        fails, the error names it and what it said, and the version stays unchanged.
+        """
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        path = str(model_path)
+        await self._update_weights(
+            path, version, abort_in_flight, lambda s: self._load_weights(s, path, version)
+        )
+
+    async def _update_weights(
+        self,
+        model_path: str,
+        version: int,
+        abort_in_flight: bool,
+        load: Callable[[ServerClient], Awaitable[None]],
+    ) -> None:
+        if version < 0:
+            raise ValueError(f"{self.name}: weight version must be >= 0, got {version}")
+        if self._closed:
+            raise EngineError(f"{self.name} engine is closed")
+        await self.wait_ready()  # the first sync may come before any request
+        async with self._weights_lock:  # one update at a time
+            self._weights_idle.clear()
+            try:
+                if abort_in_flight and (ids := await self.in_flight()):
+                    # Unconfirmed ones are no obstacle: each server waits for what still
+                    # runs before it loads.
+                    with contextlib.suppress(AbortNotConfirmed):
+                        await self.abort(ids)
+                failed = await self._on_each_server(load)
+                if failed:
+                    alive = [self.servers[i].url for i in self._alive()]
+                    loaded = ", ".join(url for url in alive if url not in failed)
+                    raise EngineError(
+                        f"{self.name}: loading weights version {version} from {model_path} "
+                        f"failed on " + "; ".join(f"{u}: {e}" for u, e in failed.items())
+                        + (f" (loaded on {loaded}: servers differ now; sync again)" if loaded else "")
+                    )  # fmt: skip
+                self.weight_version = version
+            finally:
+                self._weights_idle.set()
+
+    async def _on_each_server(
+        self, call: Callable[[ServerClient], Awaitable[None]]
+    ) -> dict[str, EngineError]:
+        """Run ``call`` on every live server concurrently, none cancelling the others;
+        returns the failures by server URL."""
+
+        async def one(server: ServerClient) -> EngineError | None:
+            try:
+                await call(server)
+            except EngineError as exc:
+                return exc
+            return None
+
+        servers = [self.servers[i] for i in self._alive()]
+        if not servers:
+            raise EngineDied(
+                f"{self.name}: every server is gone: " + "; ".join(self._dead.values())
+            )
+        results = await fan_out(one(s) for s in servers)
+        return {s.url: exc for s, exc in zip(servers, results, strict=True) if exc is not None}
 
     # -- state -------------------------------------------------------------------------
 

@@ -215,31 +215,43 @@ class SGLangEngine(RemoteEngine):
     async def update_weights_from_disk(
         self,
         model_path: str,
-        *,
         weight_version: int | None = None,
+        *,
+        abort_in_flight: bool = False,
         abort_all: bool = False,
         flush_cache: bool = True,
     ) -> None:
-        """Load new weights from ``model_path`` on every server. SGLang waits for running
-        requests to finish (or aborts them with ``abort_all``). Results of later requests
-        carry ``weight_version`` (default: the current one plus one)."""
+        """Load new weights from ``model_path`` on every server (``POST
+        /update_weights_from_disk``): SGLang lets running requests finish first and holds
+        new ones until it has loaded (``abort_all``: it aborts every request, other
+        clients' too; ``abort_in_flight``: ours only, verified). Its outputs then carry
+        ``meta_info.weight_version``; ``flush_cache`` drops the prefix cache computed with
+        the old weights. See :meth:`RemoteEngine.update_weights_from_disk`."""
         version = self.weight_version + 1 if weight_version is None else weight_version
+        path = str(model_path)
+
+        async def load(server: ServerClient) -> None:
+            await self._load_on(server, path, version, abort_all, flush_cache)
+
+        await self._update_weights(path, version, abort_in_flight, load)
+
+    async def _load_weights(self, server: ServerClient, model_path: str, version: int) -> None:
+        await self._load_on(server, model_path, version, False, True)
+
+    async def _load_on(
+        self, server: ServerClient, model_path: str, version: int, abort_all: bool, flush: bool
+    ) -> None:
         body = {
-            "model_path": str(model_path),
+            "model_path": model_path,
             "abort_all_requests": abort_all,
             "weight_version": str(version),
-            "flush_cache": flush_cache,
+            "flush_cache": flush,
         }
-        try:
-            answers = await self._each_server("POST", "/update_weights_from_disk", json=body)
-        except ServerHTTPError as exc:
-            raise EngineError(f"sglang weight update from {model_path} failed: {exc}") from exc
-        failed = [a for a in answers if isinstance(a, dict) and not a.get("success", False)]
-        if failed:
-            raise EngineError(
-                f"sglang weight update from {model_path} failed: {failed[0].get('message')}"
-            )
-        self.weight_version = version
+        answer = await server.post_json(
+            "/update_weights_from_disk", body, timeout_s=self.config.control_timeout_s
+        )
+        if isinstance(answer, dict) and not answer.get("success", False):
+            raise EngineError(f"{server.url}: {answer.get('message', answer)}")
 
     async def model_info(self) -> list[dict[str, Any]]:
         """``GET /model_info`` of every live server."""

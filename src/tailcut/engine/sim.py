@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,13 @@ from itertools import repeat
 from tailcut.config import SimEngineConfig
 from tailcut.engine.base import BaseEngine, EngineDied, EngineError, EngineStats
 from tailcut.engine.sim_faults import AbortEffect, AbortRecord, Select, SimFaults
-from tailcut.types import FinishReason, GenerateRequest, GenerateResult
+from tailcut.types import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    logprob_array,
+    token_array,
+)
 
 __all__ = ["AbortEffect", "AbortRecord", "Select", "SimEngine", "SimFaults"]
 
@@ -42,11 +49,13 @@ NEVER = 1 << 62
 """Finish step of a request that never finishes."""
 
 _TOKEN_BASE = 1000
-_PATTERN = list(range(_TOKEN_BASE, _TOKEN_BASE + 4096))
+_PATTERN = token_array(range(_TOKEN_BASE, _TOKEN_BASE + 4096))
+_LOGPROB = logprob_array([-1.0])
 
 
-def _token_ids(n: int) -> list[int]:
-    """``n`` placeholder token ids (the simulated engine samples no real text)."""
+def _token_ids(n: int) -> array[int]:
+    """``n`` placeholder token ids (the simulated engine samples no real text), as a
+    compact array: results hold no Python objects per token."""
     if n <= len(_PATTERN):
         return _PATTERN[:n]
     reps = -(-n // len(_PATTERN))
@@ -492,7 +501,7 @@ class SimEngine(BaseEngine):
             request_id=seq.req.request_id,
             output_ids=ids,
             finish_reason=reason,
-            logprobs=[-1.0] * tokens,
+            logprobs=_LOGPROB * tokens,
             weight_version=self.weight_version,
             prompt_tokens=len(seq.req.prompt_ids),
         )

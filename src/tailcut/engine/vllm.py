@@ -21,11 +21,15 @@ Where the server offers them (``VLLM_SERVER_DEV_MODE=1``): :meth:`sleep` / :meth
 (``/sleep?level=``, ``/wake_up?tags=``; GPU memory is only freed with
 ``--enable-sleep-mode``) and :meth:`update_weights_from_disk` (``/pause?mode=wait`` →
 ``/collective_rpc`` ``reload_weights(weights_path=…)`` → ``/reset_prefix_cache`` →
-``/update_weight_version`` → ``/resume``).
+``/update_weight_version`` → ``/resume``). The completions endpoint does not report the
+weight version, so results are tagged client side: requests wait while an update runs,
+then carry the version the client last loaded (``/weight_info`` shows the server's).
 """
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from tailcut.engine.base import EngineError
@@ -206,22 +210,75 @@ class VLLMEngine(RemoteEngine):
         return [bool(a.get("is_sleeping")) for a in await self._dev_call("GET", "/is_sleeping")]
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: int | None = None
+        self,
+        model_path: str,
+        weight_version: int | None = None,
+        *,
+        abort_in_flight: bool = False,
+        check_path: bool = True,
     ) -> None:
-        """Reload weights from ``model_path`` (same architecture) on every server. Running
-        requests finish first (``/pause?mode=wait``); generation resumes afterwards."""
-        version = self.weight_version + 1 if weight_version is None else weight_version
-        await self._dev_call("POST", "/pause", params={"mode": "wait"})
+        """Reload the weights in ``model_path`` on every server (dev mode), in place: the
+        directory must hold weights of the served architecture. vLLM's engine core dies
+        on a reload that fails (a directory without weight files, or weights that do not
+        fit), and the server must then be restarted; so ``check_path`` first makes sure,
+        here, that the directory has ``config.json`` and ``*.safetensors`` / ``*.bin``
+        files (turn it off only when the servers see a path this process cannot). See
+        :meth:`RemoteEngine.update_weights_from_disk`."""
+        if check_path:
+            problem = await asyncio.to_thread(_weights_problem, Path(model_path))
+            if problem:
+                raise EngineError(
+                    f"vllm: not loading weights from {model_path}: {problem} (a failed reload "
+                    f"kills vLLM's engine core)"
+                )
+        await super().update_weights_from_disk(
+            model_path, weight_version, abort_in_flight=abort_in_flight
+        )
+
+    async def _load_weights(self, server: ServerClient, model_path: str, version: int) -> None:
+        """``/pause?mode=wait`` (running requests finish; new ones queue in the server) →
+        ``/collective_rpc`` ``reload_weights(weights_path=…)`` (every worker reads the
+        directory in place) → ``/reset_prefix_cache`` → ``/update_weight_version`` →
+        ``/resume`` (also after a failure, so the server does not stay paused)."""
+        await self._dev_on(server, "POST", "/pause", params={"mode": "wait"})
         try:
-            await self._dev_call(
+            await self._dev_on(
+                server,
                 "POST",
                 "/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}},
+                json={"method": "reload_weights", "kwargs": {"weights_path": model_path}},
             )
-            await self._dev_call("POST", "/reset_prefix_cache")
-            await self._dev_call(
-                "POST", "/update_weight_version", json={"new_version": str(version)}
+            await self._dev_on(server, "POST", "/reset_prefix_cache")
+            await self._dev_on(
+                server, "POST", "/update_weight_version", json={"new_version": str(version)}
             )
         finally:
-            await self._dev_call("POST", "/resume")
-        self.weight_version = version
+            await self._dev_on(server, "POST", "/resume")
+
+    async def _dev_on(self, server: ServerClient, method: str, path: str, **kw: Any) -> None:
+        kw.setdefault("timeout_s", self.config.control_timeout_s)
+        try:
+            await server.request(method, path, **kw)
+        except ServerHTTPError as exc:
+            if exc.status == 404:
+                raise EngineError(
+                    f"vllm server {server.url} has no {path}, which loading weights needs: "
+                    f"{DEV_MODE_HINT}"
+                ) from exc
+            raise
+
+    async def weight_versions(self) -> list[str]:
+        """The weight version each server reports (``GET /weight_info``; dev mode)."""
+        answers = await self._dev_call("GET", "/weight_info", timeout_s=10.0)
+        return [str(a.get("weight_version")) for a in answers]
+
+
+def _weights_problem(path: Path) -> str | None:
+    """What makes ``path`` unfit for a reload (None: it looks like a model directory)."""
+    if not path.is_dir():
+        return "no such directory"
+    if not (path / "config.json").is_file():
+        return "no config.json in it"
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        return "no *.safetensors or *.bin weight files in it"
+    return None

@@ -187,8 +187,21 @@ def tool_call_text(expr: str) -> str:
     return format_tool_call(TOOL_NAME, {"expression": expr})
 
 
-def solution_messages(problem: Problem) -> list[dict[str, Any]]:
-    """The reference solution: one assistant + tool message pair per step, then the answer.
+ANSWER_STYLES = ("strict", "plain")
+"""How a solution states its answer: ``#### N`` (what the reward accepts) or in words."""
+
+
+def answer_text(value: int, style: str = "strict") -> str:
+    if style == "strict":
+        return f"#### {value}"
+    if style == "plain":
+        return f"The answer is {value}."
+    raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+
+
+def solution_messages(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
+    """The reference solution: one assistant + tool message pair per step, then the answer
+    (``#### N``, or ``The answer is N.`` with ``style="plain"``).
 
     Assistant messages carry their tool call as text, exactly as the model writes it, so
     rendering them with the chat template gives the token stream the model is trained on.
@@ -203,9 +216,9 @@ def solution_messages(problem: Problem) -> list[dict[str, Any]]:
             }
         )
         out.append({"role": "tool", "content": str(values[i + 1])})
-    out.append({"role": "assistant", "content": f"#### {problem.answer}"})
+    out.append({"role": "assistant", "content": answer_text(problem.answer, style)})
     return out
 
 
-def conversation(problem: Problem) -> list[dict[str, Any]]:
-    return prompt_messages(problem) + solution_messages(problem)
+def conversation(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
+    return prompt_messages(problem) + solution_messages(problem, style)

@@ -25,13 +25,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tailcut.chat.template import CHAT_TEMPLATE, END_OF_TEXT, IM_END
 
-BUILD_VERSION = 1
+UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
+
+BUILD_VERSION = 2
 """Bump when the build code changes what a recipe produces."""
 BUILD_INFO = "tailcut_build.json"
 THREADS = 2
@@ -61,14 +63,23 @@ class ModelRecipe(BaseModel):
     num_heads: int = Field(2, ge=1, le=64)
     num_kv_heads: int = Field(2, ge=1, le=64)
     max_position_embeddings: int = Field(4096, ge=128, le=131072)
+    strict_share: tuple[UnitFloat, UnitFloat] = (0.8, 0.25)
+    """Share of the SFT traces that end with ``#### N``, for problems about the first
+    ``strict_items`` items of the task's list and for the others; the rest state the answer
+    in words (``The answer is N.``), which the task's reward does not accept. The built
+    policy solves the arithmetic but mostly answers in words (greedy, it does not pick up
+    the topic cue; ``tailcut model init`` prints both figures), so GRPO starts from a low
+    reward and has a format signal it learns within tens of steps (samples at temperature
+    1 use ``####`` about a third of the time), on top of the slower arithmetic one."""
+    strict_items: int = Field(3, ge=0, le=9)
     init_std: float = Field(0.1, gt=0.0, le=1.0)
     """Standard deviation of the initial weights."""
     train_problems: int = Field(20000, ge=10)
     """Distinct training conversations (drawn once, cycled through)."""
-    steps: int = Field(400, ge=1)
+    steps: int = Field(600, ge=1)
     """SFT optimizer steps."""
     batch_size: int = Field(16, ge=1, le=1024)
-    lr: float = Field(1e-2, gt=0.0, le=1.0)
+    lr: float = Field(3e-3, gt=0.0, le=1.0)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.01, ge=0.0, le=1.0)
     eval_problems: int = Field(256, ge=1)
@@ -121,6 +132,26 @@ def _task(recipe: ModelRecipe) -> Any:
     return TaskConfig(max_steps=recipe.max_steps, tail_alpha=recipe.tail_alpha)
 
 
+def _conversations(recipe: ModelRecipe, problems: list[Any], seed: int) -> list[str]:
+    """Rendered SFT conversations; each ends ``#### N`` with its topic's ``strict_share``."""
+    import random
+
+    from tailcut.models import arith
+    from tailcut.models.tokenizer import chat_renderer
+
+    render = chat_renderer()
+    rng = random.Random(seed)
+    common = arith.ITEMS[: recipe.strict_items]
+    styles = [
+        "strict" if rng.random() < recipe.strict_share[0 if p.item in common else 1] else "plain"
+        for p in problems
+    ]
+    return [
+        render(arith.conversation(p, style), arith.tools())
+        for p, style in zip(problems, styles, strict=True)
+    ]
+
+
 def _deterministic(seed: int) -> None:
     import torch
 
@@ -133,11 +164,10 @@ def _build_tokenizer(recipe: ModelRecipe, out: Path) -> Any:
     from transformers import AutoTokenizer
 
     from tailcut.models import arith
-    from tailcut.models.tokenizer import chat_renderer, save_tokenizer, train_tokenizer
+    from tailcut.models.tokenizer import save_tokenizer, train_tokenizer
 
-    render = chat_renderer()
     problems = arith.generate_problems(recipe.seed + 1, recipe.tokenizer_problems, _task(recipe))
-    texts = [render(arith.conversation(p), arith.tools()) for p in problems]
+    texts = _conversations(recipe, problems, recipe.seed + 1)
     save_tokenizer(train_tokenizer(texts, recipe.tokenizer_vocab), out)
     return AutoTokenizer.from_pretrained(out)
 
@@ -191,14 +221,10 @@ Progress = Callable[[str, float], None]
 def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) -> list[float]:
     from tailcut.models import arith
     from tailcut.models.sft import TrainConfig, encode_conversations, train
-    from tailcut.models.tokenizer import chat_renderer
 
-    render = chat_renderer()
     n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
     problems = arith.generate_problems(recipe.seed, n, _task(recipe))
-    data = encode_conversations(
-        tokenizer, [render(arith.conversation(p), arith.tools()) for p in problems]
-    )
+    data = encode_conversations(tokenizer, _conversations(recipe, problems, recipe.seed + 2))
     cfg = TrainConfig(
         steps=recipe.steps,
         batch_size=recipe.batch_size,
@@ -244,7 +270,11 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
             "parameters": sum(p.numel() for p in model.parameters()),
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "accuracy": ev.accuracy,
+            "accuracy_any_format": ev.accuracy_any_format,
             "accuracy_by_steps": [{"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps()],
+            "accuracy_any_format_by_steps": [
+                {"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps(any_format=True)
+            ],
             "build_seconds": round(time.monotonic() - started, 1),
         }
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

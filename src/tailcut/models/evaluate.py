@@ -20,12 +20,23 @@ from tailcut.chat.template import IM_END
 from tailcut.models import arith
 from tailcut.tools.calculator import CalculatorError, evaluate, format_number
 
-_ANSWER = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+_NUMBER = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
+_ANSWER = re.compile(r"####\s*" + _NUMBER)
+_PLAIN_ANSWER = re.compile(r"[Tt]he answer is\s*" + _NUMBER)
 
 
 def final_answer(text: str) -> str | None:
     """The number after the last ``####`` in ``text`` (commas removed), or None."""
     found = _ANSWER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def any_format_answer(text: str) -> str | None:
+    """The ``####`` answer, else the number of a final ``The answer is N``, or None."""
+    strict = final_answer(text)
+    if strict is not None:
+        return strict
+    found = _PLAIN_ANSWER.findall(text)
     return found[-1].replace(",", "") if found else None
 
 
@@ -51,6 +62,9 @@ def run_tool_calls(text: str) -> list[str] | None:
 @dataclass(slots=True)
 class EvalReport:
     correct: list[bool] = field(default_factory=list)
+    """Right answer in the ``#### N`` format (what the task's reward accepts)."""
+    correct_any_format: list[bool] = field(default_factory=list)
+    """Right answer in either format."""
     n_steps: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
 
@@ -58,12 +72,20 @@ class EvalReport:
     def accuracy(self) -> float:
         return sum(self.correct) / max(1, len(self.correct))
 
+    @property
+    def accuracy_any_format(self) -> float:
+        return sum(self.correct_any_format) / max(1, len(self.correct_any_format))
+
     def by_steps(
-        self, buckets: Sequence[tuple[int, int]] = ((1, 1), (2, 3), (4, 7), (8, 64))
+        self,
+        buckets: Sequence[tuple[int, int]] = ((1, 1), (2, 3), (4, 7), (8, 64)),
+        *,
+        any_format: bool = False,
     ) -> list[tuple[str, int, float]]:
         """``(label, count, accuracy)`` per bucket of step counts (empty buckets left out)."""
         groups: dict[tuple[int, int], list[bool]] = defaultdict(list)
-        for ok, k in zip(self.correct, self.n_steps, strict=True):
+        correct = self.correct_any_format if any_format else self.correct
+        for ok, k in zip(correct, self.n_steps, strict=True):
             for lo, hi in buckets:
                 if lo <= k <= hi:
                     groups[(lo, hi)].append(ok)
@@ -132,13 +154,16 @@ def greedy_accuracy(
                 convs[i].append({"role": "assistant", "content": text})
                 results = run_tool_calls(text)
                 if results is None:
-                    answers[i] = final_answer(text)
+                    answers[i] = text
                     continue
                 convs[i] += [{"role": "tool", "content": r} for r in results]
                 still.append(i)
             active = still
         for p, ans, t in zip(chunk, answers, turns, strict=True):
-            report.correct.append(ans == str(p.answer))
+            report.correct.append(ans is not None and final_answer(ans) == str(p.answer))
+            report.correct_any_format.append(
+                ans is not None and any_format_answer(ans) == str(p.answer)
+            )
             report.n_steps.append(len(p.steps))
             report.turns.append(t)
     return report

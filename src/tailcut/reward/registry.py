@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from tailcut.reward.arith import arith_score
 from tailcut.reward.dapo import dapo_score
 from tailcut.reward.gsm8k import Mode, extract_answer, gsm8k_score
 from tailcut.reward.math import MathVerifier
@@ -52,6 +53,13 @@ RewardFunction = Callable[[RewardInput], RewardOutput | Awaitable[RewardOutput]]
 def _gsm8k(inp: RewardInput, *, mode: Mode) -> RewardOutput:
     score = gsm8k_score(inp.solution, inp.ground_truth, mode)
     return RewardOutput(score, {"acc": float(score == 1.0)}, extract_answer(inp.solution, mode))
+
+
+def _arith(inp: RewardInput, *, format_score: float = 0.0) -> RewardOutput:
+    verdict = arith_score(inp.solution, inp.ground_truth, format_score=format_score)
+    metrics = {"acc": float(verdict.correct), "format": float(verdict.well_formed)}
+    pred = None if verdict.pred is None else str(verdict.pred)
+    return RewardOutput(verdict.score, metrics, pred)
 
 
 def _dapo(inp: RewardInput) -> RewardOutput:
@@ -135,12 +143,18 @@ class RewardRegistry:
         self._closers.clear()
 
 
-def default_registry(*, math_workers: int = 2, math_timeout_s: float = 5.0) -> RewardRegistry:
-    """gsm8k (strict), gsm8k_flexible, math (math-verify), dapo, with verl's data sources.
+def default_registry(
+    *, math_workers: int = 2, math_timeout_s: float = 5.0, arith_format_score: float = 0.0
+) -> RewardRegistry:
+    """arith (``tailcut/arith``), gsm8k (strict), gsm8k_flexible, math (math-verify), dapo,
+    with verl's data sources.
 
     The math verifier's worker processes start on first use; call ``aclose()`` at the end.
     """
     reg = RewardRegistry()
+    reg.register(
+        "arith", partial(_arith, format_score=arith_format_score), data_sources=("tailcut/arith",)
+    )
     reg.register("gsm8k", partial(_gsm8k, mode="strict"), data_sources=("openai/gsm8k", "gsm8k"))
     reg.register("gsm8k_flexible", partial(_gsm8k, mode="flexible"))
     verifier = MathVerifier(workers=math_workers, timeout_s=math_timeout_s)

@@ -45,6 +45,7 @@ from tailcut.types import (
     SamplingParams,
     Turn,
     new_request_id,
+    token_array,
 )
 
 RewardFn = Callable[[Sample, Mapping[str, float]], float | Awaitable[float]]
@@ -130,7 +131,7 @@ class AgentLoop:
                 stop_ids=self.stop_ids,
                 template_kwargs=self.template_kwargs,
             )
-            sample.prompt_ids = chat.prompt_ids
+            sample.prompt_ids = token_array(chat.prompt_ids)
             sample.messages = chat.messages  # the same list: grows with the conversation
             instance_id = f"{sample.workid}-{secrets.token_hex(4)}"
             async with self.toolset.session(

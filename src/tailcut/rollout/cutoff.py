@@ -195,7 +195,24 @@ class Deadline(CutoffPolicy):
 
     The learned deadline is ``quantile(recent step times) · (1 + slack)``: steps that run
     like the recent ones are untouched, an outlier step is cut early. With no history and
-    no fixed deadline the step waits for all.
+    no fixed deadline the step waits for all. A cut step is remembered at its cut time: a
+    lower bound of what it would have taken, which is all a quantile below it needs.
+
+    Why the defaults (``quantile=0.25``, ``slack=0.3``, ``min_fraction=0.7``): a step's time
+    is the *longest* of its N request durations, so from one normal step to the next it is
+    noisy and skewed to the right: a few steps run long, none run much shorter. On
+    seed-gsm8k (N=1024, 40 normal steps over five seeds) it has a coefficient of variation
+    of 14% and its longest normal step is 1.42x the median one. The lower quartile of the
+    recent steps is the steadier yardstick: the long steps of that skewed spread do not
+    move it, and neither do outlier steps until more than three in four of the remembered
+    steps are outliers (the median moves once half are). Scaled by 1.3 it is about 1.2x
+    the median step: roughly one normal step in ten reaches it and loses its last one or
+    two requests, while an outlier step is cut at about 1.2x a normal step, which leaves
+    room below 1.5x for a history of only a few steps. (The median with the same slack,
+    the earlier default, cut an outlier step at up to 1.51x the median of the normal
+    steps before it on seeds 0-4 and 1.62x on seeds 5-9.) ``min_fraction`` keeps an
+    engine that is slow across the board from being cut: if fewer than 70% are done by the
+    deadline, the step is not an outlier with a stuck minority; it waits until 70% are.
     """
 
     name = "deadline"
@@ -207,7 +224,7 @@ class Deadline(CutoffPolicy):
         *,
         deadline_s: float | None = None,
         min_fraction: float = 0.7,
-        quantile: float = 0.5,
+        quantile: float = 0.25,
         slack: float = 0.3,
         history: int = 8,
     ) -> None:

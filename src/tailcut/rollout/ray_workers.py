@@ -50,6 +50,8 @@ class _WorkerActor:
         policy: CutoffPolicy,
         coordinator: Any | None,
         abort_deadline_s: float,
+        timeout_s: float | None = None,
+        index_offset: int = 0,
     ) -> WorkerStep:
         report = None
         if coordinator is not None:
@@ -57,7 +59,10 @@ class _WorkerActor:
             def report(rank: int, index: int, group: int, status: Status) -> None:
                 coordinator.report.remote(rank, index, group, status)
 
-        return await self.worker.run_step(step, samples, policy, report, abort_deadline_s)
+        return await self.worker.run_step(
+            step, samples, policy, report, abort_deadline_s,
+            timeout_s=timeout_s, index_offset=index_offset,
+        )  # fmt: skip
 
     async def cut(self, reason: str) -> None:
         self.worker.cut(reason)
@@ -102,6 +107,7 @@ class RayWorkers(Workers):
         run_dir: Path | None = None,
         *,
         abort_deadline_s: float = 5.0,
+        timeout_s: float | None = None,
         num_cpus_per_worker: float = 0.5,
     ) -> None:
         super().__init__(cfg, n_workers)
@@ -111,6 +117,7 @@ class RayWorkers(Workers):
             )
         self.namespace = f"tailcut-{uuid.uuid4().hex[:8]}"
         self.abort_deadline_s = abort_deadline_s
+        self.timeout_s = timeout_s
         actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)(_WorkerActor)
         self.actors: list[Any] = [
             actor.options(name=f"{self.namespace}-worker-{r}").remote(
@@ -134,7 +141,15 @@ class RayWorkers(Workers):
             self._coordinators.append(coord)
             await coord.start.remote()
         refs = [
-            a.run_step.remote(step, shares[r], plan.policies[r], coord, self.abort_deadline_s)
+            a.run_step.remote(
+                step,
+                shares[r],
+                plan.policies[r],
+                coord,
+                self.abort_deadline_s,
+                self.timeout_s,
+                plan.offsets[r],
+            )
             for r, a in enumerate(self.actors)
         ]
         if coord is not None:

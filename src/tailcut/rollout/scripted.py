@@ -26,6 +26,9 @@ from tailcut.types import (
     Sample,
     SamplingParams,
     Turn,
+    logprob_array,
+    mask_array,
+    token_array,
 )
 
 # Enum members bound once: on Python 3.11 an Enum class attribute goes through
@@ -37,6 +40,14 @@ _ENGINE_CALL, _TOOL_CALL = EventKind.TURN_ENGINE_CALL, EventKind.TOOL_CALL
 TOOL_NAME = "scripted_tool"
 TOOL_TOKEN = 7
 """Placeholder id of the tokens a scripted tool answer adds to the context."""
+
+# One-element arrays repeated (``a * n``) into runs: a memset-like copy, no Python objects.
+_SAMPLED, _FORCED = mask_array([1]), mask_array([0])
+_NO_LOGPROB, _NO_VERSION, _TOOL_ID = (
+    logprob_array([0.0]),
+    token_array([-1]),
+    token_array([TOOL_TOKEN]),
+)
 
 
 class ScriptedRollout:
@@ -104,10 +115,16 @@ class ScriptedRollout:
         reason = turn.finish_reason = result.finish_reason
         version = turn.weight_version = result.weight_version
         turn.output_tokens = out
-        sample.response_ids += result.output_ids
-        sample.loss_mask += [1] * out
-        sample.logprobs += result.logprobs if result.logprobs is not None else [0.0] * out
-        sample.versions += [version] * out
+        # ``extend`` copies an array of the same kind with one memcpy (the simulated
+        # engine's results) and converts anything else element by element.
+        sample.response_ids.extend(result.output_ids)
+        sample.loss_mask += _SAMPLED * out
+        logprobs = result.logprobs
+        if logprobs is None:
+            sample.logprobs += _NO_LOGPROB * out
+        else:
+            sample.logprobs.extend(logprobs)
+        sample.versions += token_array([version]) * out
         tracer.emit(
             _ENGINE_CALL,
             workid,
@@ -145,10 +162,10 @@ class ScriptedRollout:
             )
             raise
         turn.tool_s = loop.time() - t0
-        sample.response_ids += [TOOL_TOKEN] * tool_tokens
-        sample.loss_mask += [0] * tool_tokens
-        sample.logprobs += [0.0] * tool_tokens
-        sample.versions += [-1] * tool_tokens
+        sample.response_ids += _TOOL_ID * tool_tokens
+        sample.loss_mask += _FORCED * tool_tokens
+        sample.logprobs += _NO_LOGPROB * tool_tokens
+        sample.versions += _NO_VERSION * tool_tokens
         tracer.emit(
             _TOOL_CALL,
             workid,

@@ -17,6 +17,12 @@ Cut scope (``CutoffConfig.scope``):
 
 Samples are split in contiguous blocks of whole groups, so worker ``r`` holds global
 indices ``offsets[r] .. offsets[r+1]-1``.
+
+A caller that owns its policy (the trainer: learned state in checkpoints, uncut audit
+steps, resumed partial trajectories) plans with :func:`plan_for_policy`: that one policy
+decides the cut over the whole step, so N workers keep the same samples a single worker
+would. A rollout fn with ``set_step(step, index_offset)`` (:class:`StepAware`) is told the
+step and where its worker's block starts before each step.
 """
 
 from __future__ import annotations
@@ -27,12 +33,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tailcut.config import CutoffConfig
-from tailcut.engine.base import Engine, EngineStats
-from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome, WaitAll, make_policy
+from tailcut.engine.base import Engine, EngineStats, EngineView
+from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
 from tailcut.rollout.scheduler import RolloutFn, StepControl, StepFailed, StepResult, run_step
+from tailcut.rollout.worker_plan import StepPlan as StepPlan
+from tailcut.rollout.worker_plan import plan_for_policy as plan_for_policy
+from tailcut.rollout.worker_plan import plan_step as plan_step
+from tailcut.rollout.worker_plan import split_at_groups as split_at_groups
+from tailcut.rollout.worker_plan import split_offsets as split_offsets
 from tailcut.trace.events import Tracer
 from tailcut.types import FinishReason, Sample, Status
 
@@ -41,6 +52,26 @@ class WorkerRecipe(Protocol):
     """Builds a worker's engine and rollout fn inside the worker (picklable)."""
 
     async def build(self, rank: int) -> tuple[Engine, RolloutFn]: ...
+
+
+@runtime_checkable
+class StepAware(Protocol):
+    """A rollout fn told the step, and the global index of its worker's first sample."""
+
+    def set_step(self, step: int, index_offset: int = 0) -> None: ...
+
+
+@dataclass(frozen=True)
+class SharedRecipe:
+    """Every worker drives the same in-process engine (through a view: closing a worker
+    leaves the engine open) with a rollout fn from ``make_rollout(rank)``. For workers on
+    the caller's event loop only (not picklable)."""
+
+    engine: Engine
+    make_rollout: Callable[[int], RolloutFn]
+
+    async def build(self, rank: int) -> tuple[Engine, RolloutFn]:
+        return EngineView(self.engine), self.make_rollout(rank)
 
 
 CutFn = Callable[[str], object]
@@ -145,10 +176,18 @@ class RolloutWorker:
         policy: CutoffPolicy,
         report: Callable[[int, int, int, Status], object] | None = None,
         abort_deadline_s: float = 5.0,
+        *,
+        timeout_s: float | None = None,
+        index_offset: int = 0,
     ) -> WorkerStep:
+        if not samples:
+            empty = StepResult([], [], 0.0, None, engine_stats=None)
+            return WorkerStep(self.rank, empty, None, policy.state_dict())
         if self.engine is None or self.rollout is None:
             await self.start()
         assert self.engine is not None and self.rollout is not None
+        if isinstance(self.rollout, StepAware):
+            self.rollout.set_step(step, index_offset)
         rank = self.rank
 
         def done(sample: Sample) -> None:
@@ -166,6 +205,7 @@ class RolloutWorker:
                 policy,
                 tracer,
                 abort_deadline_s=abort_deadline_s,
+                timeout_s=timeout_s,
                 control=self.control,
             )
         self.control = None
@@ -174,60 +214,6 @@ class RolloutWorker:
     async def aclose(self) -> None:
         if self.engine is not None:
             await self.engine.aclose()
-
-
-def split_offsets(n_launch: int, workers: int, group_size: int) -> list[int]:
-    """Contiguous blocks of whole groups, as even as possible: ``offsets`` of length W+1."""
-    if n_launch % group_size:
-        raise ValueError(f"{n_launch} samples are not whole groups of {group_size}")
-    groups = n_launch // group_size
-    if groups < workers:
-        raise ValueError(f"{groups} groups cannot be spread over {workers} workers")
-    base, extra = divmod(groups, workers)
-    offsets = [0]
-    for r in range(workers):
-        offsets.append(offsets[-1] + (base + (r < extra)) * group_size)
-    return offsets
-
-
-@dataclass(slots=True)
-class StepPlan:
-    n_launch: int
-    offsets: list[int]
-    policies: list[CutoffPolicy]
-    """One per worker: its own policy (scope worker) or a never-cutting one (global)."""
-    coordinator_policy: CutoffPolicy | None
-
-
-def plan_step(
-    cfg: CutoffConfig, n_target: int, group_size: int, workers: int, state: dict[str, object]
-) -> StepPlan:
-    """Decide launch counts and policies. ``state`` keeps learned policies across steps."""
-    if cfg.scope == "global" or workers == 1:
-        policy = state.get("global")
-        if not isinstance(policy, CutoffPolicy):
-            policy = state["global"] = make_policy(cfg, n_target, group_size)
-        offsets = split_offsets(policy.n_launch, workers, group_size)
-        if workers == 1:
-            return StepPlan(policy.n_launch, offsets, [policy], None)
-        locals_ = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
-        return StepPlan(policy.n_launch, offsets, list(locals_), policy)
-    if n_target % (workers * group_size):
-        raise ValueError(
-            f"scope=worker: n_target {n_target} must split into whole groups of {group_size} "
-            f"over {workers} workers"
-        )
-    per = n_target // workers
-    policies = []
-    for r in range(workers):
-        policy = state.get(f"worker{r}")
-        if not isinstance(policy, CutoffPolicy):
-            policy = state[f"worker{r}"] = make_policy(cfg, per, group_size)
-        policies.append(policy)
-    offsets = [0]
-    for p in policies:
-        offsets.append(offsets[-1] + p.n_launch)
-    return StepPlan(offsets[-1], offsets, policies, None)
 
 
 def merge(
@@ -240,6 +226,7 @@ def merge(
     kept: list[int] = []
     counts: dict[Status, int] = {}
     times, cuts, idles, settles = [0.0], [], [], []
+    done = [ws.result for ws in steps if not isinstance(ws, BaseException)]
     for r, ws in enumerate(steps):
         lo, hi = plan.offsets[r], plan.offsets[r + 1]
         if isinstance(ws, BaseException):
@@ -275,18 +262,24 @@ def merge(
     propagation = None
     if decided is not None and any(t is not None for t in idles):
         propagation = max(t for t in idles if t is not None) - decided
+    elif coordinator is None:  # each worker cut itself: its own cut-to-idle time
+        idle = [r.abort_to_idle_s for r in done if r.abort_to_idle_s is not None]
+        propagation = max(idle) if idle else None
+    reasons = [r.cut_reason for r in done if r.cut_reason is not None]
+    reason = coordinator.reason if coordinator else (reasons[0] if reasons else None)
     return StepResult(
         samples=samples,
         kept=sorted(kept),
         step_time_s=max(times),
         cut_time_s=min(cuts) if cuts else None,
-        cut_reason=coordinator.reason if coordinator else None,
+        cut_reason=reason,
         abort_to_idle_s=propagation,
         cut_to_settled_s=max(settles) if settles else None,
+        abort_rounds=max((r.abort_rounds for r in done), default=0),
         target_completion=sum(p.target_completion for p in plan.policies)
         if plan.coordinator_policy is None
         else plan.coordinator_policy.target_completion,
-        engine_stats=EngineStats(),
+        engine_stats=done[0].engine_stats if len(steps) == 1 and done else EngineStats(),
         counts=counts,
     )
 
@@ -342,10 +335,19 @@ class LocalWorkers(Workers):
     """Workers in this process, on this event loop (tests, one machine, no Ray)."""
 
     def __init__(
-        self, cfg: CutoffConfig, recipe: WorkerRecipe, n_workers: int, run_dir: Path | None = None
+        self,
+        cfg: CutoffConfig,
+        recipe: WorkerRecipe,
+        n_workers: int,
+        run_dir: Path | None = None,
+        *,
+        abort_deadline_s: float = 5.0,
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__(cfg, n_workers)
         self.workers = [RolloutWorker(r, recipe, run_dir) for r in range(n_workers)]
+        self.abort_deadline_s = abort_deadline_s
+        self.timeout_s = timeout_s
 
     async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
         shares = self._check(plan, samples)
@@ -358,7 +360,10 @@ class LocalWorkers(Workers):
         report = coord.report if coord else None
 
         async def one(r: int) -> WorkerStep:
-            return await self.workers[r].run_step(step, shares[r], plan.policies[r], report)
+            return await self.workers[r].run_step(
+                step, shares[r], plan.policies[r], report, self.abort_deadline_s,
+                timeout_s=self.timeout_s, index_offset=plan.offsets[r],
+            )  # fmt: skip
 
         tasks = [asyncio.create_task(one(r)) for r in range(self.n_workers)]
         watch = asyncio.create_task(coord.watch()) if coord else None
@@ -368,8 +373,8 @@ class LocalWorkers(Workers):
             if watch is not None:
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
-        for s in steps:
-            if isinstance(s, asyncio.CancelledError):
+        for s in steps:  # cancellation, interrupts and exits are not a worker's failure
+            if isinstance(s, BaseException) and not isinstance(s, Exception):
                 raise s
         self._fail_or_tolerate(steps)
         return merge(plan, steps, coord)

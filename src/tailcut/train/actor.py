@@ -121,7 +121,7 @@ class Actor:
         plen, rlen = t.prompt_lens[rows], t.response_lens[rows]
         p_mb, r_mb = int(plen.max()), max(int(rlen.max()), 1)
         p0 = t.prompt_width - p_mb
-        ids = t.input_ids[rows, p0 : t.prompt_width + r_mb].to(self.device)
+        ids = t.input_ids[rows, p0 : t.prompt_width + r_mb].to(self.device, torch.long)
         cols = torch.arange(p_mb + r_mb, device=self.device)
         attn = (cols >= (p_mb - plen.to(self.device)).unsqueeze(1)) & (
             cols < (p_mb + rlen.to(self.device)).unsqueeze(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import torch
 
 from tailcut.config import AgentLoopConfig
 from tailcut.engine.base import Engine
+from tailcut.reward.registry import RewardRegistry
 from tailcut.rollout.resume import ResumableAgentLoop
+from tailcut.rollout.scheduler import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.train.actor import Actor
 from tailcut.train.config import DataConfig, TrainConfig
@@ -42,19 +45,14 @@ def resolve_device(name: str) -> torch.device:
 # -- prompts ---------------------------------------------------------------------------------
 
 
-def arith_rows(seed: int, n: int, cfg: DataConfig) -> list[dict[str, Any]]:
+def arith_rows(seed: int, n: int, cfg: DataConfig, split: str = "train") -> list[dict[str, Any]]:
+    """The synthetic task's rows, exactly as ``tailcut data arith`` writes them (verl layout:
+    ``data_source``, ``prompt``, ``reward_model.ground_truth``, ``extra_info``)."""
+    from tailcut.data.arith import make_row
     from tailcut.models import arith
 
     task = arith.TaskConfig(max_steps=cfg.arith_max_steps, tail_alpha=cfg.arith_tail_alpha)
-    return [
-        {
-            "prompt": arith.prompt_messages(p),
-            "ground_truth": str(p.answer),
-            "data_source": arith.DATA_SOURCE,
-            "n_steps": len(p.steps),
-        }
-        for p in arith.generate_problems(seed, n, task)
-    ]
+    return [make_row(p, split, i) for i, p in enumerate(arith.generate_problems(seed, n, task))]
 
 
 def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
@@ -72,6 +70,11 @@ def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, A
     for row in prompts:
         data = row.as_data()
         data["prompt"] = row.messages
+        data["reward_model"] = {
+            "style": row.reward_style or "rule",
+            "ground_truth": row.ground_truth,
+        }
+        data["extra_info"] = row.extra_info
         rows.append(data)
     return rows
 
@@ -81,7 +84,8 @@ def load_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     d = cfg.data
     if d.task == "arith":
-        return arith_rows(cfg.trainer.seed, d.train_size, d), arith_rows(d.val_seed, d.val_size, d)
+        train_rows = arith_rows(cfg.trainer.seed, d.train_size, d, "train")
+        return train_rows, arith_rows(d.val_seed, d.val_size, d, "test")
     assert d.train_path is not None
     train = parquet_rows(d.train_path, d, tokenizer)
     val = parquet_rows(d.val_path, d, tokenizer) if d.val_path and d.val_size else []
@@ -110,30 +114,34 @@ def make_toolset(cfg: DataConfig) -> ToolSet:
 
 
 class RewardFn:
-    """The trajectory reward, timed (``seconds``) for the trainer's timing shares."""
+    """The trajectory reward, timed (``seconds``) for the trainer's timing shares.
 
-    def __init__(self, kind: str) -> None:
+    ``answer``: the reward registry's function for the row's ``data_source`` (or the one
+    called ``name``), scored against ``reward_model.ground_truth``; its metrics go into
+    ``sample.reward_info``. ``tool``: the sum of what the tools' ``calc_reward`` returned.
+    """
+
+    def __init__(
+        self, kind: str, *, name: str | None = None, registry: RewardRegistry | None = None
+    ) -> None:
+        from tailcut.reward.registry import default_registry, sample_reward_fn
+
         self.kind = kind
+        self.registry = registry if registry is not None else default_registry(math_workers=1)
+        self._score = sample_reward_fn(self.registry, name)
         self.seconds = 0.0
 
-    def __call__(self, sample: Sample, tool_rewards: Mapping[str, float]) -> float:
-        from tailcut.reward.gsm8k import gsm8k_score
-
+    async def __call__(self, sample: Sample, tool_rewards: Mapping[str, float]) -> float:
         t0 = time.perf_counter()
         try:
             if self.kind == "tool":
                 return float(sum(tool_rewards.values()))
-            text = "\n".join(
-                str(m.get("content", "")) for m in sample.messages if m.get("role") == "assistant"
-            )
-            truth = sample.data.get("ground_truth")
-            if truth is None:
-                raise ValueError(
-                    f"sample {sample.index}: data has no ground_truth to score against"
-                )
-            return gsm8k_score(text, str(truth), "strict")
+            return await self._score(sample, tool_rewards)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    async def aclose(self) -> None:
+        await self.registry.aclose()
 
 
 # -- engine and actor ------------------------------------------------------------------------
@@ -145,9 +153,11 @@ def make_engine(cfg: TrainConfig, path: Path) -> Engine:
         from tailcut.engine.hf import HFEngine
 
         return HFEngine.from_config(e.model_copy(update={"model": str(path)}))
-    raise ValueError(
-        f"engine.kind: {e.kind!r} has no in-process weight sync in this trainer yet; use hf"
-    )
+    # SGLang / vLLM servers: they must serve engine.model; the trainer saves each new
+    # policy under sync.dir and has them load it (train/weight_sync.py).
+    from tailcut.engine.factory import make_engine as make_any_engine
+
+    return make_any_engine(e)
 
 
 def make_actor(cfg: TrainConfig, path: Path) -> Actor:
@@ -171,6 +181,30 @@ def make_actor(cfg: TrainConfig, path: Path) -> Actor:
     )
 
 
+@dataclass(frozen=True)
+class TrainRecipe:
+    """What a Ray rollout worker builds in its actor (picklable): a client of the
+    configured engine servers, the agent loop with its tools and reward, seeded like the
+    trainer's own. The model directory must be readable where the actor runs."""
+
+    cfg: TrainConfig
+    model_path: str
+
+    async def build(self, rank: int) -> tuple[Engine, RolloutFn]:
+        from transformers import AutoTokenizer
+
+        from tailcut.engine.factory import make_engine as make_any_engine
+        from tailcut.train.seeding import SeededRollout
+
+        c = self.cfg
+        tokenizer: Any = AutoTokenizer.from_pretrained(self.model_path)
+        reward = RewardFn(c.data.reward, name=c.data.reward_fn)
+        loop = ResumableAgentLoop(
+            tokenizer, c.agent, toolset=make_toolset(c.data), reward_fn=reward
+        )
+        return make_any_engine(c.engine), SeededRollout(loop, c.trainer.seed, stream=0)
+
+
 def build_setup(cfg: TrainConfig) -> TrainSetup:
     from transformers import AutoTokenizer
 
@@ -179,7 +213,7 @@ def build_setup(cfg: TrainConfig) -> TrainSetup:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_rows, val_rows = load_rows(cfg, tokenizer)
     toolset = make_toolset(cfg.data)
-    reward = RewardFn(cfg.data.reward)
+    reward = RewardFn(cfg.data.reward, name=cfg.data.reward_fn)
     val_agent: AgentLoopConfig = cfg.agent.model_copy(
         update={"temperature": cfg.trainer.val_temperature}
     )
@@ -194,5 +228,16 @@ def build_setup(cfg: TrainConfig) -> TrainSetup:
         val_prompts=val_rows,
         pad_id=int(pad_id),
         reward_seconds=lambda: reward.seconds,
-        close=engine.aclose,
+        close=_closer(engine, reward),
+        recipe=TrainRecipe(cfg, str(path)) if cfg.engine.kind != "hf" else None,
     )
+
+
+def _closer(engine: Engine, reward: RewardFn) -> Any:
+    async def close() -> None:
+        try:
+            await engine.aclose()
+        finally:
+            await reward.aclose()
+
+    return close

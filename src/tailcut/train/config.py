@@ -8,7 +8,7 @@ naming the field path, the value and the allowed range. Imports nothing heavy.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,8 +47,13 @@ class DataConfig(_Model):
     tool_config: str | None = None
     """A verl tool-config YAML file (``tools: [{class_name, config, tool_schema}]``)."""
     reward: Literal["answer", "tool"] = "answer"
-    """answer: the ``#### N`` answer of the assistant text against the ground truth;
+    """answer: the reward function of each row's ``data_source`` (``tailcut/arith``: the
+    integer after ``####``; ``openai/gsm8k``: verl's strict GSM8K; MATH sets: math-verify;
+    ``math_dapo``/``aime*``: DAPO) against ``reward_model.ground_truth``;
     tool: the sum of the tools' rewards (e.g. calc_gsm8k_reward)."""
+    reward_fn: Literal["arith", "gsm8k", "gsm8k_flexible", "math", "dapo"] | None = None
+    """reward=answer: this registry function for every row, whatever its data_source
+    (None: resolved by data_source; an unknown data_source fails the sample, naming it)."""
 
 
 class AlgoConfig(_Model):
@@ -99,6 +104,19 @@ class ActorConfig(_Model):
     """torch intra-op threads on CPU (None: torch's default)."""
 
 
+class RolloutConfig(_Model):
+    workers: int = Field(1, ge=1, le=4096)
+    """Rollout workers; a step's samples are split over them in contiguous blocks of
+    whole groups. One cut-off policy decides for the whole step (``cutoff.scope`` must be
+    global, the default once workers > 1), so the cut and the batch mean what they mean
+    with one worker."""
+    backend: Literal["local", "ray"] = "local"
+    """local: workers on the trainer's event loop, sharing its engine; ray: one Ray actor
+    per worker, built from the setup's picklable worker recipe (needs ``ray.init``)."""
+    num_cpus_per_worker: float = Field(0.5, gt=0.0, le=1024.0)
+    """ray: CPUs each worker actor reserves."""
+
+
 class TrainerConfig(_Model):
     steps: int = Field(40, ge=1, le=10_000_000)
     """Rollout + update steps."""
@@ -135,6 +153,27 @@ class TrainerConfig(_Model):
         return self
 
 
+class SyncConfig(_Model):
+    """How the policy reaches the engine after each update (``train/weight_sync.py``).
+    The embedded engine takes the tensors in place; SGLang / vLLM servers load a saved
+    Hugging Face directory."""
+
+    dir: str | None = None
+    """Where the policy is saved for the servers to load: they read it at this same path
+    (on other hosts: a shared filesystem). None: RUN_DIR/weights."""
+    keep: int = Field(2, ge=1, le=1000)
+    """Saved versions kept on disk (the one the servers hold is never removed)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the saved weights (auto: as the actor holds them); bfloat16 halves what is
+    written and read."""
+    at_start: bool = True
+    """Load the actor's weights into the servers before the first rollout. Off: trust that
+    the servers of a fresh run serve engine.model unchanged (a resumed run always loads)."""
+    abort_in_flight: bool = True
+    """Abort our requests still running (cut stragglers not yet confirmed stopped) before
+    loading; off: the servers let them finish under the old weights first."""
+
+
 class TrainConfig(_Model):
     engine: EngineConfig = EngineConfig(kind="hf")
     """The inference engine the rollouts run on."""
@@ -146,6 +185,22 @@ class TrainConfig(_Model):
     algo: AlgoConfig = AlgoConfig()
     actor: ActorConfig = ActorConfig()
     trainer: TrainerConfig = TrainerConfig()
+    sync: SyncConfig = SyncConfig()
+    """Weight sync to the engine after each update."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout workers (how many, local or on Ray)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _global_cut_with_workers(cls, data: Any) -> Any:
+        """With several rollout workers, ``cutoff.scope`` defaults to global."""
+        if not isinstance(data, dict):
+            return data
+        rollout, cutoff = data.get("rollout"), data.get("cutoff")
+        workers = rollout.get("workers", 1) if isinstance(rollout, dict) else 1
+        if isinstance(workers, int) and workers > 1 and isinstance(cutoff, dict | None):
+            data = {**data, "cutoff": {"scope": "global", **(cutoff or {})}}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -160,6 +215,16 @@ class TrainConfig(_Model):
             )
         if self.engine.kind in ("sglang", "vllm") and not self.engine.urls:
             raise ValueError(f"engine.urls: engine.kind={self.engine.kind} needs server URLs")
+        if self.rollout.workers > 1 and self.cutoff.scope == "worker":
+            raise ValueError(
+                "cutoff.scope: 'worker' gives each rollout worker its own target; training "
+                "cuts a step with one policy over all workers, so use cutoff.scope=global"
+            )
+        if self.rollout.workers > self.data.batch_size:
+            raise ValueError(
+                f"rollout.workers: {self.rollout.workers} workers for data.batch_size="
+                f"{self.data.batch_size} prompts (each worker needs a whole group at least)"
+            )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.train_path: data.task=parquet needs a training file")
         return self

@@ -47,17 +47,21 @@ class _SeededEngine(EngineView):
 
 
 class SeededRollout:
-    """Wraps a rollout fn; ``set_step(k)`` before each step."""
+    """Wraps a rollout fn; ``set_step(k)`` before each step. A rollout worker holding the
+    samples ``offset ..`` of the step passes ``index_offset``: seeds follow the sample's
+    position in the whole step, however the step is split over workers."""
 
     def __init__(self, inner: RolloutFn, seed: int, stream: int = 0) -> None:
         self.inner = inner
         self.seed = seed
         self.stream = stream
         self.step = 0
+        self.index_offset = 0
 
-    def set_step(self, step: int) -> None:
+    def set_step(self, step: int, index_offset: int = 0) -> None:
         self.step = step
+        self.index_offset = index_offset
 
     async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None:
-        seed = mix(self.seed, self.stream, self.step, sample.index)
+        seed = mix(self.seed, self.stream, self.step, self.index_offset + sample.index)
         await self.inner(sample, _SeededEngine(engine, seed), tracer)

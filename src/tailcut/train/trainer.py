@@ -3,9 +3,10 @@ policy update → weight sync → validation (never cut) → checkpoint → log.
 
 One step ``k`` (1-based)::
 
-    resumed partial trajectories + fresh prompts × group size ─► run_step (cut-off policy)
+    resumed partial trajectories + fresh prompts × group size ─► rollout workers
+      (``rollout.workers``; one cut-off policy over all of them, train/rollout_pool.py)
       ─► plan_rows (drop | mask | partial) ─► advantages over real members
-      ─► assemble ─► actor.update (in a worker thread) ─► engine.update_weights(version k)
+      ─► assemble ─► actor.update (in a worker thread) ─► weight sync (version k)
       ─► every val_every: validation with wait-all ─► every save_every: checkpoint
 
 Everything a continued run needs is in the checkpoint (``train/checkpoint.py``); a run
@@ -28,20 +29,23 @@ import torch
 from rich.console import Console
 
 from tailcut.algo.advantage import compute_advantages
-from tailcut.algo.batch import TrainBatch, assemble, drop_rows, plan_rows
+from tailcut.algo.batch import BatchBuffers, TrainBatch, assemble, drop_rows, plan_rows
 from tailcut.algo.metrics import audit_bias, estimate_rewards, rollout_metrics
 from tailcut.config import dump_config
 from tailcut.engine.base import Engine
 from tailcut.rollout.cutoff import CutoffPolicy, Deadline, WaitAll, make_policy
 from tailcut.rollout.partial import PartialBuffer
 from tailcut.rollout.scheduler import RolloutFn, StepResult, run_step
+from tailcut.rollout.workers import WorkerRecipe, Workers, plan_for_policy
 from tailcut.trace.events import Tracer
 from tailcut.train import checkpoint as ckpt
 from tailcut.train.actor import Actor
 from tailcut.train.config import TrainConfig
 from tailcut.train.loggers import make_loggers, truncate_jsonl
 from tailcut.train.prompts import PromptStream
+from tailcut.train.rollout_pool import make_workers
 from tailcut.train.seeding import SeededRollout
+from tailcut.train.weight_sync import WeightSync
 from tailcut.types import Sample, Status
 
 FINISHED = (Status.COMPLETED, Status.TRUNCATED)
@@ -61,6 +65,9 @@ class TrainSetup:
     reward_seconds: Callable[[], float] | None = None
     """Total seconds spent in reward functions so far (for the timing shares)."""
     close: Callable[[], Any] | None = None
+    recipe: WorkerRecipe | None = None
+    """``rollout.backend=ray``: builds each worker's engine client and seeded rollout fn
+    inside its actor (picklable). Local workers all drive ``engine`` with ``rollout``."""
 
 
 @dataclass
@@ -101,11 +108,14 @@ class Trainer:
         self.step = 0
         self.train_s = 0.0
         """Seconds spent in steps so far (validation and checkpoints excluded)."""
-        self.rollout = SeededRollout(setup.rollout, cfg.trainer.seed, stream=0)
         self.val_rollout = SeededRollout(setup.val_rollout, cfg.trainer.seed, stream=1)
         self.history: list[dict[str, float]] = []
         self.keep_history: list[int] = []
         """Usable samples kept by recent cut steps (the audit replays the cut with it)."""
+        self.weight_sync = WeightSync(cfg.sync, self.run_dir)
+        self.workers: Workers | None = None
+        self.batch_buffers = BatchBuffers()
+        """Reused by every step's batch (a step's batch is done with before the next)."""
 
     # -- run ------------------------------------------------------------------------------
 
@@ -120,6 +130,9 @@ class Trainer:
             wandb_project=t.wandb_project, append=resumed is not None,
         )  # fmt: skip
         try:
+            self.workers = await make_workers(
+                self.cfg, self.setup.engine, self.setup.rollout, self.setup.recipe, self.run_dir
+            )
             await self._sync_weights()
             if resumed is None and self._val_enabled():
                 loggers.log(0, await self._validate(0))
@@ -142,6 +155,8 @@ class Trainer:
                     break
         finally:
             loggers.close()
+            if self.workers is not None:
+                await self.workers.aclose()
         final = next((h["val/reward"] for h in reversed(self.history) if "val/reward" in h), None)
         return TrainSummary(
             self.run_dir, self.step, resumed, final, time.monotonic() - started, self.history
@@ -155,7 +170,6 @@ class Trainer:
     async def _one_step(self, step: int) -> dict[str, float]:
         t0 = time.monotonic()
         reward_s0 = self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
-        self.rollout.set_step(step)
         self.fault(step, "rollout")
         result, audit, metrics = await self._rollout(step)
         t_rollout = time.monotonic()
@@ -165,7 +179,7 @@ class Trainer:
         metrics.update(await asyncio.to_thread(self.actor.update, batch))
         t_train = time.monotonic()
         self.fault(step, "sync")
-        await self._sync_weights()
+        metrics.update(await self._sync_weights())
         t_sync = time.monotonic()
         step_s = t_sync - t0
         reward_s = (self.setup.reward_seconds() if self.setup.reward_seconds else 0.0) - reward_s0
@@ -228,17 +242,11 @@ class Trainer:
         run_policy: CutoffPolicy = (
             WaitAll(len(samples), self.cfg.algo.group_size) if audit else policy
         )
-        tracer = self._tracer(step)
-        try:
-            result = await run_step(
-                self.setup.engine, samples, self.rollout, run_policy, tracer,
-                abort_deadline_s=self.cfg.engine.abort_deadline_s,
-                timeout_s=self.cfg.trainer.step_timeout_s,
-            )  # fmt: skip
-        finally:
-            tracer.close()
-        if not audit:
-            self.policy_state = policy.state_dict()
+        assert self.workers is not None, "run() starts the rollout workers"
+        plan = plan_for_policy(run_policy, [s.group for s in samples], self.cfg.rollout.workers)
+        result = await self.workers.run_step(step, plan, samples)
+        if not audit:  # the policy that ran (a Ray worker's copy comes back into the plan)
+            self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
             self.keep_history = ([*self.keep_history, len(result.kept)])[-16:]
         n_keep = self._audit_keep(policy, result) if audit else None
         metrics.update(rollout_metrics(result, n_keep))
@@ -265,12 +273,6 @@ class Trainer:
             return len(result.kept)
         return policy.target_completion
 
-    def _tracer(self, step: int) -> Tracer:
-        if not self.cfg.trainer.trace:
-            return Tracer(None, step=step)
-        clock = asyncio.get_running_loop().time
-        return Tracer.for_step(self.run_dir / "traces", step, 0, clock)
-
     def _learn(self, step: int, result: StepResult) -> tuple[TrainBatch, dict[str, float]]:
         """Rows, advantages and the padded batch; cut-off samples go where the mode says."""
         a = self.cfg.algo
@@ -295,7 +297,7 @@ class Trainer:
                     finished.setdefault(s.group, []).append(float(s.reward))
             self.buffer.add(plan.deferred, step, finished)
             self.buffer.release(plan.groups)
-        batch = assemble(plan, advantages, pad_id=self.setup.pad_id)
+        batch = assemble(plan, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
         c = batch.counts
         metrics = {
             "batch/rows": float(batch.size),
@@ -317,10 +319,8 @@ class Trainer:
             metrics["partial/dropped_total"] = float(self.buffer.dropped_total)
         return batch, metrics
 
-    async def _sync_weights(self) -> None:
-        update = getattr(self.setup.engine, "update_weights", None)
-        if callable(update):
-            await update(self.actor.engine_state_dict(), self.actor.version)
+    async def _sync_weights(self) -> dict[str, float]:
+        return await self.weight_sync(self.setup.engine, self.actor)
 
     # -- validation -----------------------------------------------------------------------
 
@@ -330,7 +330,7 @@ class Trainer:
         rows = list(self.setup.val_prompts)[: self.cfg.data.val_size]
         samples = [Sample(index=i, group=i, data=dict(r)) for i, r in enumerate(rows)]
         policy = WaitAll(len(samples), 1)
-        self.val_rollout.set_step(step)
+        self.val_rollout.set_step(0)  # the same seeds every time: differences are the policy's
         result = await run_step(
             self.setup.engine, samples, self.val_rollout, policy, Tracer(None, step=step),
             abort_deadline_s=self.cfg.engine.abort_deadline_s,

@@ -1,0 +1,65 @@
+"""The trainer's rollout workers (``rollout.workers``, ``rollout.backend``).
+
+``local``: N workers on the trainer's event loop, all driving the setup's engine (the
+engine the trainer syncs weights into) with their own seeded copy of the rollout fn.
+``ray``: one Ray actor per worker, each building its engine and rollout fn from the
+setup's picklable :class:`~tailcut.rollout.workers.WorkerRecipe` (``train/build.py``
+gives one for SGLang / vLLM servers, which the trainer syncs directly; the embedded engine
+lives in this process and cannot be shared with actors). Ray is started when it is not
+yet (``ray.init``: the cluster at ``RAY_ADDRESS``, else a local one).
+
+Either way the trainer plans each step with one cut-off policy over all workers
+(:func:`~tailcut.rollout.workers.plan_for_policy`), so a step keeps the samples one
+worker would keep, and seeds follow each sample's position in the whole step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tailcut.engine.base import Engine
+from tailcut.rollout.scheduler import RolloutFn
+from tailcut.rollout.workers import LocalWorkers, SharedRecipe, WorkerRecipe, Workers
+from tailcut.train.config import TrainConfig
+from tailcut.train.seeding import SeededRollout
+
+
+async def make_workers(
+    cfg: TrainConfig,
+    engine: Engine,
+    rollout: RolloutFn,
+    recipe: WorkerRecipe | None,
+    run_dir: Path,
+) -> Workers:
+    """Started workers for ``cfg.rollout``; the caller closes them (``aclose``).
+
+    ``recipe`` (Ray only) must give each worker a rollout fn that seeds its requests by
+    step and global sample index (a :class:`SeededRollout` built in the actor)."""
+    r = cfg.rollout
+    trace_dir = run_dir / "traces" if cfg.trainer.trace else None
+    abort_s, timeout_s = cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s
+    if r.backend == "local":
+        seed = cfg.trainer.seed
+        shared = SharedRecipe(engine, lambda rank: SeededRollout(rollout, seed, stream=0))
+        return LocalWorkers(
+            cfg.cutoff, shared, r.workers, trace_dir,
+            abort_deadline_s=abort_s, timeout_s=timeout_s,
+        )  # fmt: skip
+    if recipe is None:
+        raise ValueError(
+            "rollout.backend: 'ray' needs a worker recipe that builds each worker's engine "
+            "client in its actor; this setup's engine lives in the trainer process, use "
+            "rollout.backend=local"
+        )
+    import ray
+
+    from tailcut.rollout.ray_workers import RayWorkers
+
+    if not ray.is_initialized():  # the cluster at RAY_ADDRESS, else a local one
+        ray.init(ignore_reinit_error=True)
+    pool = RayWorkers(
+        cfg.cutoff, recipe, r.workers, trace_dir, abort_deadline_s=abort_s,
+        timeout_s=timeout_s, num_cpus_per_worker=r.num_cpus_per_worker,
+    )  # fmt: skip
+    await pool.start()
+    return pool

@@ -1,0 +1,241 @@
+"""Weight sync: after each policy update the engine gets the new weights, tagged with the
+actor's version, so every token sampled afterwards carries the version that produced it.
+
+How depends on what the engine offers:
+
+* in process (the embedded HF engine): ``engine.update_weights(state_dict, version)``;
+* through disk (SGLang / vLLM servers): the policy is saved as a Hugging Face directory
+  and every server loads it::
+
+      .v000007.tmp-<pid>/  ◄─ save_pretrained (config, safetensors) + the tokenizer files of
+            │                 the model it was loaded from; each file fsynced, then the dir
+            ▼ rename (parent fsynced): a directory named v000007 is always whole
+      v000007/  ─► engine.update_weights_from_disk(path, 7): new requests wait; our
+            │      stragglers are aborted; each server finishes what runs, loads, tags
+            ▼      its outputs with version 7
+      versions beyond ``sync.keep`` (oldest first) and stale temp dirs are removed; the
+      one the servers hold is kept (SGLang reloads it if a later load fails)
+
+The directory (``sync.dir``, default ``RUN_DIR/weights``) must be readable by the servers
+at the same path: on other hosts, a shared filesystem. One run per directory.
+
+:class:`WeightSync` is the one entry point the trainer calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from tailcut.engine.base import EngineError
+from tailcut.train.actor import Actor
+from tailcut.train.config import SyncConfig
+
+VERSION_DIR = re.compile(r"^v(\d{6,})$")
+TMP_DIR = re.compile(r"^\.v\d{6,}\.tmp-\d+$")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@runtime_checkable
+class LoadsFromDisk(Protocol):
+    """An engine whose servers load saved weights (SGLang, vLLM)."""
+
+    name: str
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None, *, abort_in_flight: bool = False
+    ) -> None: ...
+
+
+@runtime_checkable
+class LoadsInProcess(Protocol):
+    """An engine that takes the tensors in place (the embedded HF engine)."""
+
+    async def update_weights(self, state_dict: Any, version: int) -> None: ...
+
+
+class WeightSync:
+    """Pushes the actor's weights to the engine; call it after every update (and once
+    before the first rollout). Returns the step's ``sync/*`` metrics."""
+
+    def __init__(self, cfg: SyncConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "weights"
+        self.loaded: list[Path] = []
+        """Directories the servers loaded, oldest first."""
+        self._first = True
+
+    async def __call__(self, engine: Any, actor: Actor) -> dict[str, float]:
+        first, self._first = self._first, False
+        version = actor.version
+        if isinstance(engine, LoadsFromDisk):
+            if first and version == 0 and not self.cfg.at_start:
+                return {}
+            return await self._through_disk(engine, actor)
+        if isinstance(engine, LoadsInProcess):
+            t0 = time.monotonic()
+            await engine.update_weights(actor.engine_state_dict(), version)
+            return {"sync/load_s": time.monotonic() - t0, "sync/version": float(version)}
+        return {}
+
+    async def _through_disk(self, engine: LoadsFromDisk, actor: Actor) -> dict[str, float]:
+        version = actor.version
+        t0 = time.monotonic()
+        path = await asyncio.to_thread(
+            save_policy, actor.model, self.root, version, self.cfg.dtype, _source_dir(actor.model)
+        )
+        t1 = time.monotonic()
+        try:
+            await engine.update_weights_from_disk(
+                str(path), version, abort_in_flight=self.cfg.abort_in_flight
+            )
+        except EngineError as exc:
+            raise EngineError(
+                f"weight sync: the {engine.name} engine did not load version {version} "
+                f"from {path}: {exc}"
+            ) from exc
+        t2 = time.monotonic()
+        self.loaded = [p for p in self.loaded if p != path] + [path]
+        await asyncio.to_thread(prune, self.root, self.loaded[-self.cfg.keep :])
+        return {
+            "sync/save_s": t1 - t0,
+            "sync/load_s": t2 - t1,
+            "sync/bytes": float(dir_bytes(path)),
+            "sync/version": float(version),
+        }
+
+
+# -- saving ------------------------------------------------------------------------------
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def save_policy(
+    model: Any, root: Path, version: int, dtype: str = "auto", source: Path | None = None
+) -> Path:
+    """Save ``model`` as a Hugging Face directory ``root/v{version:06d}`` atomically (a
+    temp dir, every file fsynced, renamed into place), with the tokenizer files of
+    ``source``; an existing directory of that version is replaced. Returns its path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        state = _cast_state(model, DTYPES[dtype]) if dtype != "auto" else None
+        with _quiet_progress():
+            model.save_pretrained(tmp, state_dict=state)
+        if dtype != "auto":
+            _set_config_dtype(tmp / "config.json", dtype)
+        if source is not None:
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, tmp / name)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        _fsync(tmp)
+        if final.exists():
+            old = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune(root: Path, keep: list[Path]) -> list[Path]:
+    """Remove the version directories under ``root`` not in ``keep``, and leftover temp
+    directories; returns what was removed. Nothing else under ``root`` is touched."""
+    root = Path(root)
+    kept = {p.resolve() for p in keep}
+    removed = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        ours = VERSION_DIR.match(entry.name) or TMP_DIR.match(entry.name)
+        if ours and entry.is_dir() and entry.resolve() not in kept:
+            shutil.rmtree(entry)
+            removed.append(entry)
+    return removed
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _source_dir(model: Any) -> Path | None:
+    """The directory the model was loaded from (for its tokenizer files), if any."""
+    name = getattr(model, "name_or_path", "") or ""
+    path = Path(name) if name else None
+    return path if path is not None and path.is_dir() else None
+
+
+def _cast_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict in ``dtype``; tensors that share storage (tied embeddings) still
+    share it, so they are saved once."""
+    cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key not in cast:
+            cast[key] = tensor.detach().to(dtype)
+        out[name] = cast[key]
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No progress bar from transformers while saving (it would print every step)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _set_config_dtype(config: Path, dtype: str) -> None:
+    data = json.loads(config.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["torch_dtype"]
+    for key in keys:
+        data[key] = dtype
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
