@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/tailcut bench --engine sim --workload seed-gsm8k
+	$(VENV)/bin/tailcut train configs/arith-tiny.yaml
 
 lint: install
 	$(VENV)/bin/ruff check src tests

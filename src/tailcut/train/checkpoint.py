@@ -35,7 +35,8 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (its entries) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,11 +85,11 @@ def save_checkpoint(
         (tmp / DONE).write_text(f"{step}\n", encoding="utf-8")
         for name in ("actor.pt", "state.pkl", DONE):
             _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,6 +39,7 @@ import torch
 
 from tailcut.engine.base import EngineError
 from tailcut.train.actor import Actor
+from tailcut.train.checkpoint import fsync_path
 from tailcut.train.config import SyncConfig
 
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -157,8 +158,8 @@ def save_policy(
                     shutil.copyfile(source / name, tmp / name)
         for f in tmp.rglob("*"):
             if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
+                fsync_path(f)
+        fsync_path(tmp)
         if final.exists():
             old = root / f".{final.name}.old-{os.getpid()}"
             os.rename(final, old)
@@ -166,7 +167,7 @@ def save_policy(
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -231,11 +232,3 @@ def _set_config_dtype(config: Path, dtype: str) -> None:
     for key in keys:
         data[key] = dtype
     config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
