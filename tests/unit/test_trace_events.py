@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tailcut.trace.events import EventKind, Tracer, read_trace
+from tailcut.trace.events import EventKind, Tracer, _duration_json, read_trace
 
 EDGE_WALLS = [
     0.0,
@@ -101,6 +101,31 @@ def test_lines_are_exactly_the_json_of_the_record(tmp_path, extra, duration):
         expected.append(_reference_line(tracer, now[0], kind, workid, duration, extra))
     tracer.close()
     assert (tmp_path / "t.jsonl").read_text(encoding="utf-8").splitlines() == expected
+
+
+@given(
+    st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.floats(min_value=-1e10, max_value=1e10),
+        st.floats(min_value=0.0, max_value=1e-3),
+        st.integers(0, 10**9).map(lambda n: n / 10**6),  # exact-looking durations
+        st.integers(0, 10**9).map(lambda n: (n + 0.5) / 10**6),  # rounding ties
+    )
+)
+def test_duration_is_the_json_of_the_rounded_value(duration):
+    expected = json.dumps(round(duration, 6) if duration else duration)
+    assert _duration_json(duration) == expected
+
+
+def test_one_key_extras_encoded_once_still_give_each_event_its_own_values(tmp_path):
+    tracer = Tracer(tmp_path / "t.jsonl", step=0)
+    extras = [{"turn": 1}, {"turn": 2}, {"turn": 1}, {"index": 1}, {"turn": True}, {"turn": 1.0}]
+    for extra in extras:
+        tracer.emit(EventKind.STEP_TOTAL, "step", **extra)
+    tracer.close()
+    assert [r["extra"] for r in read_trace(tmp_path / "t.jsonl")] == extras
+    text = (tmp_path / "t.jsonl").read_text()
+    assert '"extra":{"turn":true}' in text and '"extra":{"turn":1.0}' in text
 
 
 def test_a_traced_step_reads_back_and_validates(tmp_path):

@@ -154,7 +154,11 @@ class SimEngine(BaseEngine):
         seq = self._new_seq(request, loop)
         if seq.n == 0:
             return self._result(seq, 0, _LENGTH)
-        self._catch_up()
+        # Boundaries already past are processed first; one due right now is left to its
+        # timer, and this request joins it with every other arrival of the same instant
+        # (one boundary for all of them, not one each).
+        if self._timer_at is not None and loop.time() > self._timer_at:
+            self._catch_up(before=loop.time())
         self._live[request.request_id] = seq
         self._waiting.append(seq)
         self._n_waiting += 1
@@ -388,10 +392,15 @@ class SimEngine(BaseEngine):
             return 0
         return min(step - seq.start, seq.n)
 
-    def _catch_up(self) -> None:
-        """Process every step boundary that is due (a late timer, or several at one time)."""
+    def _catch_up(self, before: float | None = None) -> None:
+        """Process every step boundary that is due (a late timer, or several at one time);
+        with ``before``, only those strictly before that time."""
         now = self._now()
-        while self._timer_step is not None and self._timer_at is not None and now >= self._timer_at:
+        while (
+            self._timer_step is not None
+            and self._timer_at is not None
+            and (now >= self._timer_at if before is None else before > self._timer_at)
+        ):
             step, at = self._timer_step, self._timer_at
             self._cancel_timer()
             self._boundary(step, at)
@@ -407,6 +416,8 @@ class SimEngine(BaseEngine):
             self._timer = self._loop.call_soon(self._fire)
             return
         now = self._now()
+        if self._timer_at == now:
+            return  # a boundary is due at this very instant: the change joins it
         done = self._steps_done(now)
         # Exactly at a step boundary the change applies there; mid-step, at the step's end.
         nxt = done if now <= self._boundary_time(done) + 1e-9 else done + 1
@@ -497,13 +508,14 @@ class SimEngine(BaseEngine):
         if reason is _STOP and tokens:
             stop_ids = seq.req.sampling.stop_token_ids
             ids[-1] = stop_ids[0] if stop_ids else 0
-        return GenerateResult(
-            request_id=seq.req.request_id,
-            output_ids=ids,
-            finish_reason=reason,
-            logprobs=_LOGPROB * tokens,
-            weight_version=self.weight_version,
-            prompt_tokens=len(seq.req.prompt_ids),
+        req = seq.req
+        return GenerateResult(  # positional: request_id, output_ids, finish_reason, logprobs,
+            req.request_id,  # weight_version, prompt_tokens (a result per request and turn)
+            ids,
+            reason,
+            _LOGPROB * tokens,
+            self.weight_version,
+            len(req.prompt_ids),
         )
 
     def _die(self, reason: str) -> None:

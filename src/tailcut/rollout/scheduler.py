@@ -39,6 +39,7 @@ from tailcut.engine.base import (
     EngineView,
 )
 from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
+from tailcut.rollout.gc_pause import gc_paused
 from tailcut.rollout.state import is_terminal, transition
 from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult, Sample, Status
@@ -302,6 +303,7 @@ async def run_step(
     abort_deadline_s: float = 5.0,
     timeout_s: float | None = None,
     control: StepControl | None = None,
+    gc_pause: bool = True,
 ) -> StepResult:
     """Run one over-sampled step over ``samples`` (launch ``policy.n_launch`` of them).
 
@@ -309,9 +311,26 @@ async def run_step(
     sample is terminal and traced before it raises. ``timeout_s`` is a hard cap on the
     step (the clock of the running loop): past it the step is cut whatever the policy says.
     ``control`` lets an outside driver watch completions and cut the step (global cut
-    across workers).
+    across workers). ``gc_pause`` pauses Python's cyclic garbage collector while the step
+    runs and collects the young generations once at its end (see ``rollout/gc_pause.py``;
+    False: the interpreter's default).
     """
-    samples = list(samples)
+    with gc_paused(gc_pause):
+        return await _run_step(
+            engine, list(samples), rollout, policy, tracer, abort_deadline_s, timeout_s, control
+        )
+
+
+async def _run_step(
+    engine: Engine,
+    samples: list[Sample],
+    rollout: RolloutFn,
+    policy: CutoffPolicy,
+    tracer: Tracer,
+    abort_deadline_s: float,
+    timeout_s: float | None,
+    control: StepControl | None,
+) -> StepResult:
     if len(samples) != policy.n_launch:
         raise ValueError(
             f"{policy.name} launches {policy.n_launch} samples but {len(samples)} were given"

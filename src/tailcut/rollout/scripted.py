@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from array import array
 
 from tailcut.engine.base import Engine
 from tailcut.trace.events import EventKind, Tracer
@@ -23,6 +24,7 @@ from tailcut.types import (
     REQUEST_ID_LEN,
     FinishReason,
     GenerateRequest,
+    GenerateResult,
     Sample,
     SamplingParams,
     Turn,
@@ -61,9 +63,7 @@ class ScriptedRollout:
         self._id_format = f"{prefix}{{:0{REQUEST_ID_LEN - len(prefix)}d}}".format
         self._ids = itertools.count()
         self._params: dict[int, SamplingParams] = {}
-
-    def _request_id(self) -> str:
-        return self._id_format(next(self._ids))
+        self._version_runs: dict[int, array[int]] = {}
 
     def _sampling(self, n: int) -> SamplingParams:
         params = self._params.get(n)
@@ -71,6 +71,13 @@ class ScriptedRollout:
             params = SamplingParams(temperature=self.temperature, max_new_tokens=n, ignore_eos=True)
             self._params[n] = params
         return params
+
+    def _versions(self, version: int) -> array[int]:
+        """A one-element array of ``version`` (repeated into a run per turn)."""
+        run = self._version_runs.get(version)
+        if run is None:
+            run = self._version_runs[version] = token_array([version])
+        return run
 
     async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None:
         trajectory = sample.data.get("trajectory")
@@ -80,37 +87,57 @@ class ScriptedRollout:
                 f"sample {sample.index}: data['trajectory'] must be a workload Trajectory "
                 f"with at least one turn, got {trajectory!r}"
             )
-        loop = asyncio.get_running_loop()
+        # One coroutine per trajectory: the engine call and the tool wait are awaited here
+        # and the bookkeeping around them is plain calls (a nested coroutine per turn would
+        # cost a frame on every resume).
+        clock = asyncio.get_running_loop().time
         workid = sample.workid
+        emit = tracer.emit
         for k, spec in enumerate(turns):
-            t_turn = loop.time()
-            tracer.emit(_TURN_START, workid, turn=k)
-            turn = await self._generate(sample, workid, engine, tracer, k, spec.output_tokens)
-            if turn.finish_reason is _ABORT:
+            t_turn = clock()
+            emit(_TURN_START, workid, turn=k)
+            request, turn = self._request(sample, k, spec.output_tokens)
+            sample.active_request_id = request.request_id
+            t_engine = clock()
+            try:
+                result = await engine.generate(request)
+            finally:
+                sample.active_request_id = None
+                turn.engine_s = clock() - t_engine
+            self._record(sample, workid, tracer, turn, result)
+            if result.finish_reason is _ABORT:
                 sample.finish_reason = _ABORT
-                tracer.emit(_TURN_END, workid, loop.time() - t_turn, turn=k)
+                emit(_TURN_END, workid, clock() - t_turn, turn=k)
                 return
             if spec.tool_s > 0 or spec.tool_tokens > 0:
-                await self._tool(sample, workid, tracer, turn, spec.tool_s, spec.tool_tokens)
-            tracer.emit(_TURN_END, workid, loop.time() - t_turn, turn=k)
+                turn.tool_calls += 1
+                t_tool = clock()
+                try:
+                    await asyncio.sleep(spec.tool_s)
+                except asyncio.CancelledError:
+                    turn.tool_s = clock() - t_tool
+                    emit(
+                        _TOOL_CALL, workid, turn.tool_s, turn=k, name=TOOL_NAME, status="cancelled"
+                    )
+                    raise
+                turn.tool_s = clock() - t_tool
+                self._tool_answer(sample, spec.tool_tokens)
+                emit(_TOOL_CALL, workid, turn.tool_s, turn=k, name=TOOL_NAME, status="ok")
+            emit(_TURN_END, workid, clock() - t_turn, turn=k)
         sample.finish_reason = _STOP
 
-    async def _generate(
-        self, sample: Sample, workid: str, engine: Engine, tracer: Tracer, k: int, n: int
-    ) -> Turn:
-        loop = asyncio.get_running_loop()
-        rid = self._request_id()
-        prompt = sample.prompt_ids + sample.response_ids
+    def _request(self, sample: Sample, k: int, n: int) -> tuple[GenerateRequest, Turn]:
+        """The next turn's request (prompt + everything so far) and its turn record."""
+        rid = self._id_format(next(self._ids))
+        prompt = sample.prompt_ids + sample.response_ids  # arrays: one memcpy
         turn = Turn(k, rid, len(prompt))
         sample.turns.append(turn)
-        request = GenerateRequest(rid, prompt, self._sampling(n))
-        t0 = loop.time()
-        sample.active_request_id = rid
-        try:
-            result = await engine.generate(request)
-        finally:
-            sample.active_request_id = None
-            turn.engine_s = loop.time() - t0
+        return GenerateRequest(rid, prompt, self._sampling(n)), turn
+
+    def _record(
+        self, sample: Sample, workid: str, tracer: Tracer, turn: Turn, result: GenerateResult
+    ) -> None:
+        """Append the sampled tokens (mask 1) and trace the engine call."""
         out = len(result.output_ids)
         reason = turn.finish_reason = result.finish_reason
         version = turn.weight_version = result.weight_version
@@ -124,53 +151,21 @@ class ScriptedRollout:
             sample.logprobs += _NO_LOGPROB * out
         else:
             sample.logprobs.extend(logprobs)
-        sample.versions += token_array([version]) * out
+        sample.versions += self._versions(version) * out
         tracer.emit(
             _ENGINE_CALL,
             workid,
             turn.engine_s,
-            turn=k,
-            request_id=rid,
+            turn=turn.index,
+            request_id=turn.request_id,
             output_tokens=out,
             finish_reason=reason,  # a StrEnum: traced as its value
         )
-        return turn
 
-    async def _tool(
-        self,
-        sample: Sample,
-        workid: str,
-        tracer: Tracer,
-        turn: Turn,
-        tool_s: float,
-        tool_tokens: int,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        turn.tool_calls += 1
-        try:
-            await asyncio.sleep(tool_s)
-        except asyncio.CancelledError:
-            turn.tool_s = loop.time() - t0
-            tracer.emit(
-                _TOOL_CALL,
-                workid,
-                turn.tool_s,
-                turn=turn.index,
-                name=TOOL_NAME,
-                status="cancelled",
-            )
-            raise
-        turn.tool_s = loop.time() - t0
-        sample.response_ids += _TOOL_ID * tool_tokens
-        sample.loss_mask += _FORCED * tool_tokens
-        sample.logprobs += _NO_LOGPROB * tool_tokens
-        sample.versions += _NO_VERSION * tool_tokens
-        tracer.emit(
-            _TOOL_CALL,
-            workid,
-            turn.tool_s,
-            turn=turn.index,
-            name=TOOL_NAME,
-            status="ok",
-        )
+    @staticmethod
+    def _tool_answer(sample: Sample, n: int) -> None:
+        """The tool's answer: ``n`` context tokens the policy did not sample (mask 0)."""
+        sample.response_ids += _TOOL_ID * n
+        sample.loss_mask += _FORCED * n
+        sample.logprobs += _NO_LOGPROB * n
+        sample.versions += _NO_VERSION * n

@@ -107,6 +107,22 @@ def _json(value: object) -> str:
     return _DUMPS(value)  # pragma: no cover
 
 
+def _duration_json(duration: object) -> str:
+    """``_json(round(duration, 6))`` (``duration`` itself when it is zero), the usual case
+    without ``round``, which goes through a decimal string and back (~0.5 µs)."""
+    if type(duration) is float and 1e-4 <= abs(duration) < 1e9:
+        # Six fixed-point digits are the correctly rounded value (the same rounding as
+        # ``round``), and with at most 15 significant digits that text is also the
+        # shortest one of the rounded float, i.e. its repr (no exponent in this range).
+        text = f"{duration:.6f}".rstrip("0")
+        return text + "0" if text[-1] == "." else text
+    if duration:  # round(0.0, 6) is 0.0: instants skip the work
+        duration = round(duration, 6)  # type: ignore[call-overload]
+    if type(duration) is float and math.isfinite(duration):
+        return float.__repr__(duration)  # what json writes for a finite float
+    return _json(duration)
+
+
 _KIND_JSON = {kind: encode_basestring_ascii(kind.value) for kind in EventKind}
 
 
@@ -133,6 +149,7 @@ class Tracer:
         self._anchor_clock = clock()
         self._anchor_wall = time.time()
         self._lines: list[str] = []
+        self._small_extras: dict[tuple[str, int], str] = {}
         self._file: IO[str] | None = None
         self._second = -1
         self._second_text = ""
@@ -171,19 +188,31 @@ class Tracer:
     def emit(self, kind: EventKind, workid: str, duration_sec: float = 0.0, **extra: Any) -> None:
         if self._file is None:
             return
-        stamp = self.timestamp(self._anchor_wall + (self.clock() - self._anchor_clock))
-        if duration_sec:  # round(0.0, 6) is 0.0: skip the work for instants
-            duration_sec = round(duration_sec, 6)
-        if type(duration_sec) is float and math.isfinite(duration_sec):
-            duration = float.__repr__(duration_sec)  # what json writes for a finite float
-        else:
-            duration = _json(duration_sec)
+        wall = self._anchor_wall + (self.clock() - self._anchor_clock)
+        # Events at one instant (virtual time has many) reuse the last stamp.
+        stamp = self._last_stamp if wall == self._last_wall else self.timestamp(wall)
         event = _KIND_JSON.get(kind) or _json(kind)
         work = encode_basestring_ascii(workid) if type(workid) is str else _json(workid)
         self._lines.append(
-            f'{{"timestamp":"{stamp}","event":{event},"duration_sec":{duration},'
-            f'"extra":{_json(extra)},"workid":{work}{self._tail}'
+            f'{{"timestamp":"{stamp}","event":{event},"duration_sec":'
+            f'{_duration_json(duration_sec)},"extra":{self._extra_json(extra)},"workid":{work}'
+            f"{self._tail}"
         )
+
+    def _extra_json(self, extra: dict[str, Any]) -> str:
+        """``_json(extra)``; a one-key extra with an int value (``turn=k``: half of a
+        trajectory's events) is encoded once per key and value."""
+        if len(extra) == 1:
+            ((key, value),) = extra.items()
+            if type(value) is int:
+                cache = self._small_extras
+                text = cache.get((key, value))
+                if text is None:
+                    if len(cache) >= 4096:
+                        cache.clear()
+                    text = cache[key, value] = _json(extra)
+                return text
+        return _json(extra)
 
     def timestamp(self, wall: float) -> str:
         """``datetime.fromtimestamp(wall, UTC).isoformat()``, the same string, rounded the
