@@ -242,14 +242,17 @@ def _view(values: Sequence[Any], dtype: np.dtype[Any]) -> np.ndarray:
 
 class _Field:
     """One padded field seen flat, written run by run: a plain memory copy when the source
-    is an ``array.array`` of the field's own C type, a NumPy conversion otherwise."""
+    is an ``array.array`` of the field's own C type, a NumPy conversion otherwise; pads are
+    copied from a run of pad values, so only pad cells and token cells are written once."""
 
-    __slots__ = ("code", "flat", "mem")
+    __slots__ = ("code", "flat", "mem", "pads")
 
-    def __init__(self, out: np.ndarray) -> None:
+    def __init__(self, out: np.ndarray, pad: float) -> None:
         self.flat = out.reshape(-1)
         self.mem = memoryview(self.flat)  # type: ignore[arg-type]  # ndarray is a buffer
         self.code = self.mem.format
+        run = np.full(out.shape[1], pad, dtype=out.dtype)
+        self.pads = memoryview(run)  # type: ignore[arg-type]
 
     def put(self, start: int, values: Sequence[Any]) -> None:
         n = len(values)
@@ -258,30 +261,44 @@ class _Field:
         elif n:
             self.flat[start : start + n] = _view(values, self.flat.dtype)
 
+    def pad(self, start: int, stop: int) -> None:
+        if stop > start:
+            self.mem[start:stop] = self.pads[: stop - start]
+
 
 def _fill_rows(
     rows: Sequence[Sample],
     real: Sequence[bool],
-    ids: np.ndarray,
-    mask: np.ndarray,
-    old_lp: np.ndarray,
-    vers: np.ndarray,
+    fields: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    pads: tuple[float, float, float, float],
     width_p: int,
 ) -> None:
-    """Copy each row's tokens into the padded arrays (already filled with the pads): the
-    prompt ends at column ``P``, the response starts there; the per-token response fields
-    only for real rows. A handful of run copies per row, none per token."""
-    width, width_r = ids.shape[1], mask.shape[1]
-    f_ids, f_mask, f_lp, f_vers = _Field(ids), _Field(mask), _Field(old_lp), _Field(vers)
+    """Write each row's tokens and pads into the (unfilled) arrays ``ids, mask, old_lp,
+    vers``: the prompt ends at column ``P``, the response starts there; the per-token
+    response fields only for real rows. A handful of run copies per row, none per token;
+    every cell is written once. Rows past ``rows`` are pad rows, filled whole."""
+    ids = fields[0]
+    width, width_r = ids.shape[1], fields[1].shape[1]
+    f_ids, f_mask, f_lp, f_vers = (_Field(a, v) for a, v in zip(fields, pads, strict=True))
     for i, s in enumerate(rows):
-        at = i * width + width_p
-        f_ids.put(at - len(s.prompt_ids), s.prompt_ids)
+        row = i * width
+        at = row + width_p
+        n_p, n_r = len(s.prompt_ids), len(s.response_ids)
+        f_ids.pad(row, at - n_p)
+        f_ids.put(at - n_p, s.prompt_ids)
         f_ids.put(at, s.response_ids)
+        f_ids.pad(at + n_r, row + width)
+        at = i * width_r
+        done = at
         if real[i]:
-            at = i * width_r
             f_mask.put(at, s.loss_mask)
             f_lp.put(at, s.logprobs)
             f_vers.put(at, s.versions)
+            done = at + n_r
+        for f in (f_mask, f_lp, f_vers):
+            f.pad(done, at + width_r)
+    for out, value in zip(fields, pads, strict=True):
+        out[len(rows) :] = value
 
 
 class BatchBuffers:
@@ -297,14 +314,13 @@ class BatchBuffers:
         self.headroom = headroom
         self._flat: dict[str, np.ndarray] = {}
 
-    def take(self, name: str, shape: tuple[int, int], dtype: type, fill: float) -> np.ndarray:
+    def take(self, name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
+        """An uninitialised ``shape`` array (the caller writes every cell)."""
         size = shape[0] * shape[1]
         flat = self._flat.get(name)
         if flat is None or flat.dtype != dtype or flat.size < size:
             flat = self._flat[name] = np.empty(int(size * self.headroom) + 1, dtype=dtype)
-        out = flat[:size].reshape(shape)
-        out.fill(fill)
-        return out
+        return flat[:size].reshape(shape)
 
     @property
     def nbytes(self) -> int:
@@ -313,8 +329,8 @@ class BatchBuffers:
 
 class _Fresh:
     @staticmethod
-    def take(name: str, shape: tuple[int, int], dtype: type, fill: float) -> np.ndarray:
-        return np.full(shape, fill, dtype=dtype)
+    def take(name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
 
 
 _FRESH = _Fresh()
@@ -362,11 +378,11 @@ def assemble(
     p_lens = [len(s.prompt_ids) for s in rows]
     r_lens = [len(s.response_ids) for s in rows]
     take = (buffers or _FRESH).take
-    ids = take("input_ids", (b, width_p + width_r), np.int32, pad_id)
-    mask = take("loss_mask", (b, width_r), np.int8, 0)
-    old_lp = take("old_logprobs", (b, width_r), np.float32, 0.0)
-    vers = take("versions", (b, width_r), np.int32, -1)
-    _fill_rows(rows, valid, ids, mask, old_lp, vers, width_p)
+    ids = take("input_ids", (b, width_p + width_r), np.int32)
+    mask = take("loss_mask", (b, width_r), np.int8)
+    old_lp = take("old_logprobs", (b, width_r), np.float32)
+    vers = take("versions", (b, width_r), np.int32)
+    _fill_rows(rows, valid, (ids, mask, old_lp, vers), (pad_id, 0, 0.0, -1), width_p)
     counts = replace(plan.counts, pad_rows=n_pad)
     rewards = plan.rewards
     adv = [float(a) if ok else 0.0 for a, ok in zip(advantages, valid, strict=True)]
