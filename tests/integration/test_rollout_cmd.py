@@ -9,26 +9,12 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from fakes.tiny_model import TINY
 from tailcut.cli import app
 from tailcut.data.arith import write_dataset
 from tailcut.models import build
 
 pytestmark = pytest.mark.timeout(300)
-
-TINY = build.ModelRecipe(
-    max_steps=3,
-    tokenizer_problems=60,
-    hidden_size=64,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    train_problems=16,
-    steps=3,
-    batch_size=4,
-    warmup_steps=1,
-    eval_problems=4,
-)
 
 
 @pytest.fixture(scope="module")

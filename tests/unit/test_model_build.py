@@ -6,27 +6,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from fakes.tiny_model import TINY  # noqa: E402
 from tailcut.chat.template import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: E402
 from tailcut.models import arith, build  # noqa: E402
 from tailcut.models.command import ModelNotFoundError, resolve_model  # noqa: E402
 from tailcut.models.sft import _collate, common_prefix, encode_conversations, masked_loss  # noqa: E402
 from tailcut.models.tokenizer import chat_renderer  # noqa: E402
-
-TINY = build.ModelRecipe(
-    max_steps=3,
-    tokenizer_problems=60,
-    hidden_size=64,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    train_problems=16,
-    steps=3,
-    batch_size=4,
-    warmup_steps=1,
-    eval_problems=4,
-)
-"""A recipe that builds in seconds (the real one takes minutes)."""
 
 FILES = (
     "config.json",

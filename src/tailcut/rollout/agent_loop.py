@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from tailcut.chat.parser import ParsedTurn, ToolCall, ToolCallError, get_parser
@@ -92,6 +93,20 @@ def tool_create_kwargs(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+@contextmanager
+def finish_reason_on_error(sample: Sample) -> Iterator[None]:
+    """Record why a trajectory ended early: ``abort`` when it is cancelled (a cut),
+    ``failed`` on an error; the exception goes on either way."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        sample.finish_reason = FinishReason.ABORT
+        raise
+    except Exception:
+        sample.finish_reason = FinishReason.FAILED
+        raise
+
+
 def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + TRUNCATION_MARK
 
@@ -123,7 +138,7 @@ class AgentLoop:
                 f"sample {sample.index} already holds a response; the agent loop starts "
                 "trajectories from their prompt"
             )
-        try:
+        with finish_reason_on_error(sample):
             chat = IncrementalChat(
                 self.tokenizer,
                 prompt_messages(sample),
@@ -141,12 +156,6 @@ class AgentLoop:
                 sample.finish_reason = await run.turns()
                 if sample.finish_reason is not FinishReason.ABORT:
                     await self._score(sample, session)
-        except asyncio.CancelledError:
-            sample.finish_reason = FinishReason.ABORT
-            raise
-        except Exception:
-            sample.finish_reason = FinishReason.FAILED
-            raise
 
     async def _score(self, sample: Sample, session: ToolSession) -> None:
         tool_rewards = await session.rewards()

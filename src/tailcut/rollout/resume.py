@@ -18,12 +18,16 @@ sampled. Tools start a fresh session: a stateful tool forgets calls made before 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from tailcut.chat.tokenize import IncrementalChat
 from tailcut.engine.base import Engine
-from tailcut.rollout.agent_loop import AgentLoop, _Trajectory, tool_create_kwargs
+from tailcut.rollout.agent_loop import (
+    AgentLoop,
+    _Trajectory,
+    finish_reason_on_error,
+    tool_create_kwargs,
+)
 from tailcut.trace.events import Tracer
 from tailcut.types import FinishReason, GenerateResult, Sample, Turn
 
@@ -82,14 +86,8 @@ class ResumableAgentLoop(AgentLoop):
         if not (sample.response_ids or sample.turns):
             await super().__call__(sample, engine, tracer)
             return
-        try:
+        with finish_reason_on_error(sample):
             await self._resume(sample, engine, tracer)
-        except asyncio.CancelledError:
-            sample.finish_reason = FinishReason.ABORT
-            raise
-        except Exception:
-            sample.finish_reason = FinishReason.FAILED
-            raise
 
     async def _resume(self, sample: Sample, engine: Engine, tracer: Tracer) -> None:
         if not sample.messages:
