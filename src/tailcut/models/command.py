@@ -77,17 +77,14 @@ def _summary(result: BuildResult) -> Any:
         "build time", f"{info['build_seconds']:.0f} s" + (" (earlier)" if result.cached else "")
     )
     table.add_row("final SFT loss", f"{info['final_loss']:.3f}")
-    any_format = "accuracy_any_format" in info
     table.add_row(
         "greedy accuracy",
-        f"{info['accuracy_any_format' if any_format else 'accuracy']:.1%} on "
-        f"{info['recipe']['eval_problems']} held-out problems"
-        + (" (answer right, either format)" if any_format else ""),
+        f"{info['accuracy_any_format']:.1%} on {info['recipe']['eval_problems']} held-out "
+        "problems (answer right, either format)",
     )
-    for row in info.get("accuracy_any_format_by_steps", info["accuracy_by_steps"]):
+    for row in info["accuracy_any_format_by_steps"]:
         table.add_row(f"  {row['steps']} step(s)", f"{row['accuracy']:.1%} (n={row['n']})")
-    if any_format:
-        table.add_row("  in the #### format", f"{info['accuracy']:.1%} (what the reward accepts)")
+    table.add_row("  in the #### format", f"{info['accuracy']:.1%} (what the reward accepts)")
     return table
 
 
