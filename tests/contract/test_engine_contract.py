@@ -35,8 +35,17 @@ async def _start_long(case, engine: Engine, request_id: str | None = None):
     req = _request(case, case.long_tokens, request_id)
     task = asyncio.create_task(engine.generate(req))
     await asyncio.sleep(case.settle_s)
+    await _until_in_flight(engine, [req.request_id])
     assert not task.done(), f"{case.name}: a long request ended before settle_s"
     return req, task
+
+
+async def _until_in_flight(engine: Engine, ids: list[str], timeout_s: float = 10.0) -> None:
+    """Wait until the engine lists every id as running (an abort sent before a request reached
+    the server is a no-op there, so tests that abort a batch first wait for all of it)."""
+    async with asyncio.timeout(timeout_s):
+        while not set(ids) <= set(await engine.in_flight()):  # noqa: ASYNC110 (in_flight is all the contract offers)
+            await asyncio.sleep(0.005)
 
 
 async def _idle(engine: Engine, ids: list[str]) -> bool:
@@ -155,8 +164,8 @@ def test_one_batched_abort_stops_many_requests(case):
     async def body(engine: Engine) -> None:
         reqs = [_request(case, case.long_tokens) for _ in range(16)]
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
-        await asyncio.sleep(case.settle_s)
         ids = [r.request_id for r in reqs]
+        await _until_in_flight(engine, ids)
         await engine.abort(ids)
         assert await _idle(engine, ids)
         results = await asyncio.gather(*tasks)

@@ -32,7 +32,7 @@ VOCAB = 512
 def model() -> Any:
     cfg = transformers.Qwen2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096,
         initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(1)
@@ -165,7 +165,7 @@ def test_a_lone_request_waits_for_a_batch_at_most_admit_max_wait_decode_passes(
     model: Any,
 ) -> None:
     """A request arriving while another decodes is admitted within ``admit_max_wait``
-    passes (long before a 900-token request ends); with a wait longer than the running
+    passes (long before a 4,000-token request ends); with a wait longer than the running
     request, it is admitted only once that request has finished."""
 
     def body(long_tokens: int) -> Callable[[HFEngine], Awaitable[bool]]:
@@ -180,7 +180,7 @@ def test_a_lone_request_waits_for_a_batch_at_most_admit_max_wait_decode_passes(
 
         return main
 
-    assert run(model, body(900), slots=4, max_seq_len=1024, admit_min_rows=4, admit_max_wait=3)
+    assert run(model, body(4000), slots=4, max_seq_len=4096, admit_min_rows=4, admit_max_wait=3)
     assert not run(model, body(40), slots=4, admit_min_rows=4, admit_max_wait=1000)
 
 

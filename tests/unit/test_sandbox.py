@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from fakes.procs import marked_processes
+from fakes.procs import marked_processes, wait_for_marked
 from tailcut.tools.sandbox import LocalSandbox, SandboxConfig, SandboxError, SandboxResult
 
 pytestmark = [
@@ -230,7 +230,7 @@ def test_cancel_mid_run_kills_everything_and_removes_the_dir(box: Box) -> None:
             )
         )
         await asyncio.wait_for(ready.wait(), 10)
-        assert len(marked_processes(box.mark)) >= 2  # main and the escaped sleeper
+        assert len(wait_for_marked(box.mark, 2)) >= 2  # main and the escaped sleeper
         cancelled_at = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
