@@ -61,6 +61,14 @@ def _as_array(values: Iterable[Any], typecode: str) -> array[Any]:
     return array(typecode, values)
 
 
+def extend_array(dst: array[Any], values: Sequence[Any]) -> None:
+    """Append ``values`` to ``dst``: one memcpy for an array of the same kind, element by
+    element for anything else (``array.extend`` refuses an array of another kind)."""
+    if type(values) is array and values.typecode != dst.typecode:
+        values = values.tolist()
+    dst.extend(values)
+
+
 def check_request_id(request_id: str) -> None:
     if len(request_id) != REQUEST_ID_LEN:
         raise ValueError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from tailcut.chat.parser import format_tool_call
@@ -118,6 +120,17 @@ def test_sample_columns_stay_aligned_and_forced_tokens_are_inert():
     assert list(sample.versions) == [7, 7, -1, -1, -1, 8]
     with pytest.raises(ValueError, match="sample 3: 2 sampled tokens but 1 log-probs"):
         append_sampled(sample, [1, 2], [-1.0], version=0)
+
+
+def test_engine_arrays_of_any_kind_are_taken():
+    """An engine may answer with arrays of another item type (64-bit ids, float32
+    log-probs) than the sample's columns; they are converted, not refused."""
+    sample = Sample(index=0)
+    append_sampled(sample, array("q", [2**31 - 1, 4]), array("f", [-0.5, -2.0]), version=1)
+    append_sampled(sample, array("i", [6]), array("d", [-0.125]), version=1)
+    assert list(sample.response_ids) == [2**31 - 1, 4, 6]
+    assert list(sample.logprobs) == [-0.5, -2.0, -0.125]
+    assert sample.response_ids.typecode == "i"
 
 
 def test_an_empty_conversation_is_refused(chat_tokenizer):

@@ -201,3 +201,44 @@ def test_overhead_is_measured_on_a_zero_latency_traced_step():
     assert all(u.tool_s == 0 for t in zero_latency(trajs) for u in t.turns)
     policy = build_policy("target-count", BenchOptions(requests=32, group_size=8))
     assert overhead_us_per_request(policy, trajs) > 0
+
+
+def test_the_zero_latency_engine_answers_in_full_and_obeys_aborts():
+    """The overhead figure's engine: a step of target-count on it keeps K with every token
+    the trajectories ask for, the cut aborts the rest and leaves it idle; an abort resolves
+    a request not yet answered with ``abort``."""
+    import asyncio
+
+    from tailcut.bench.sim_bench import build_policy
+    from tailcut.bench.sim_step import ZeroLatencyEngine, zero_latency
+    from tailcut.bench.workloads import make_samples
+    from tailcut.rollout.scheduler import run_step
+    from tailcut.rollout.scripted import ScriptedRollout
+    from tailcut.trace.events import NULL_TRACER
+    from tailcut.types import FinishReason, GenerateRequest, SamplingParams, new_request_id
+    from tailcut.vtime import run_virtual
+
+    trajs = zero_latency(get_workload("seed-gsm8k").trajectories(0, 64, 8))
+    policy = build_policy("target-count", BenchOptions(requests=64, group_size=8))
+    engine = ZeroLatencyEngine()
+
+    async def step():
+        res = await run_step(engine, make_samples(trajs), ScriptedRollout(), policy, NULL_TRACER)
+        return res, await engine.in_flight()
+
+    res, in_flight = run_virtual(step())
+    assert (len(res.kept), res.aborted, in_flight) == (57, 64 - res.completed, [])
+    for i in res.kept:
+        want = sum(u.output_tokens + u.tool_tokens for u in trajs[i].turns)
+        assert len(res.samples[i].response_ids) == want
+
+    async def aborted():
+        req = GenerateRequest(new_request_id("zl"), [1, 2], SamplingParams(max_new_tokens=9))
+        task = asyncio.create_task(engine.generate(req))
+        await asyncio.sleep(0)  # the request is with the engine, its answer not yet sent
+        assert await engine.in_flight() == [req.request_id]
+        await engine.abort([req.request_id])
+        return await task
+
+    out = asyncio.run(aborted())
+    assert (out.finish_reason, len(out.output_ids)) == (FinishReason.ABORT, 0)

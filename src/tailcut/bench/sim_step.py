@@ -4,8 +4,9 @@ Each step runs on a fresh :class:`SimEngine` and a fresh virtual-time loop, so i
 times are exact and independent of the machine. The real-time figures are
 ``perf_counter`` time of the scheduler, rollout fns, engine and tracer:
 
-* :func:`overhead_us_per_request` — a full traced step against a zero-latency engine
-  (a = c = prefill = tool = 0), per launched request;
+* :func:`overhead_us_per_request` — a full traced step against :class:`ZeroLatencyEngine`
+  (every request answered on the loop's next turn, tool calls instant), per launched
+  request: the cost of tailcut's own code, not of simulating an engine;
 * :func:`scale_cut` — a step cut early, with every request still in flight, to time the
   abort (``abort_to_idle``) and the settling of every task (``cut_to_settled``).
 """
@@ -21,14 +22,48 @@ from pathlib import Path
 
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
 from tailcut.config import SimEngineConfig
-from tailcut.engine.sim import SimEngine
+from tailcut.engine.base import BaseEngine
+from tailcut.engine.sim import SimEngine, placeholder_result
 from tailcut.rollout.cutoff import CutoffPolicy, Deadline
 from tailcut.rollout.scheduler import StepResult, run_step
 from tailcut.rollout.scripted import ScriptedRollout
 from tailcut.trace.events import NULL_TRACER, Tracer
+from tailcut.types import FinishReason, GenerateRequest, GenerateResult
 from tailcut.vtime import run_virtual
 
-ZERO_LATENCY = SimEngineConfig(decode_a_s=0.0, decode_c_s=0.0, prefill_s_per_token=0.0)
+
+class ZeroLatencyEngine(BaseEngine):
+    """An engine that costs nothing: each request is answered on the loop's next turn with
+    ``max_new_tokens`` placeholder tokens and log-probs (what :class:`SimEngine` returns),
+    so a step's real time is the scheduler's, the rollout fn's and the tracer's. The
+    caller is suspended once per request, as on a real engine; ``abort`` resolves
+    requests not yet answered with finish reason ``abort`` and no tokens."""
+
+    name = "zero-latency"
+
+    def __init__(self) -> None:
+        self._pending: dict[str, asyncio.Future[GenerateResult]] = {}
+
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
+        fut = asyncio.get_running_loop().create_future()
+        rid = request.request_id
+        self._pending[rid] = fut
+        fut.get_loop().call_soon(self._answer, request, fut)
+        return await fut
+
+    def _answer(self, request: GenerateRequest, fut: asyncio.Future[GenerateResult]) -> None:
+        if self._pending.pop(request.request_id, None) is not None and not fut.done():
+            n = request.sampling.max_new_tokens
+            fut.set_result(placeholder_result(request, n, FinishReason.LENGTH, 0))
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            fut = self._pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(GenerateResult(rid, [], FinishReason.ABORT, logprobs=[]))
+
+    async def in_flight(self) -> list[str]:
+        return list(self._pending)
 
 
 @dataclass
@@ -99,13 +134,13 @@ def zero_latency(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 def overhead_us_per_request(
     policy: CutoffPolicy, trajectories: Sequence[Trajectory], step: int = 0
 ) -> float:
-    """Real µs per launched request of a full traced step against a zero-latency engine."""
+    """Real µs per launched request of a full traced step against :class:`ZeroLatencyEngine`."""
     samples = make_samples(zero_latency(trajectories[: policy.n_launch]))
     with tempfile.TemporaryDirectory(prefix="tailcut-overhead-") as tmp:
 
         async def go() -> float:
             loop = asyncio.get_running_loop()
-            engine = SimEngine(ZERO_LATENCY)
+            engine = ZeroLatencyEngine()
             t0 = time.perf_counter()
             with Tracer.for_step(Path(tmp), step, 0, loop.time) as tracer:
                 await run_step(engine, samples, ScriptedRollout(), policy, tracer)

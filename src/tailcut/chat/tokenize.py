@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tailcut.chat.template import ChatTokenizer, decode, encode, render, stop_token_ids
-from tailcut.types import Sample
+from tailcut.types import Sample, extend_array
 
 
 class TemplateError(ValueError):
@@ -163,9 +163,9 @@ def append_sampled(
         raise ValueError(
             f"sample {sample.index}: {len(token_ids)} sampled tokens but {len(logprobs)} log-probs"
         )
-    sample.response_ids.extend(token_ids)
+    extend_array(sample.response_ids, token_ids)
     sample.loss_mask.extend([1] * len(token_ids))
-    sample.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
+    extend_array(sample.logprobs, logprobs if logprobs is not None else [0.0] * len(token_ids))
     sample.versions.extend([version] * len(token_ids))
 
 

@@ -72,6 +72,24 @@ class _State:
 
 
 # Enum members the hot paths use, bound once (same reason as :class:`_State`).
+def placeholder_result(
+    req: GenerateRequest, tokens: int, reason: FinishReason, weight_version: int
+) -> GenerateResult:
+    """A result of ``tokens`` placeholder ids and log-probs (a stop id last on ``stop``)."""
+    ids = _token_ids(tokens)
+    if reason is FinishReason.STOP and tokens:
+        stop_ids = req.sampling.stop_token_ids
+        ids[-1] = stop_ids[0] if stop_ids else 0
+    return GenerateResult(  # positional: request_id, output_ids, finish_reason, logprobs,
+        req.request_id,  # weight_version, prompt_tokens (a result per request and turn)
+        ids,
+        reason,
+        _LOGPROB * tokens,
+        weight_version,
+        len(req.prompt_ids),
+    )
+
+
 _STOP, _LENGTH, _ABORT = FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT
 _LOST, _NOT_RUNNING, _ABORTED = AbortEffect.LOST, AbortEffect.NOT_RUNNING, AbortEffect.ABORTED
 
@@ -504,19 +522,7 @@ class SimEngine(BaseEngine):
             seq.fut.set_result(self._result(seq, tokens, reason))
 
     def _result(self, seq: _Seq, tokens: int, reason: FinishReason) -> GenerateResult:
-        ids = _token_ids(tokens)
-        if reason is _STOP and tokens:
-            stop_ids = seq.req.sampling.stop_token_ids
-            ids[-1] = stop_ids[0] if stop_ids else 0
-        req = seq.req
-        return GenerateResult(  # positional: request_id, output_ids, finish_reason, logprobs,
-            req.request_id,  # weight_version, prompt_tokens (a result per request and turn)
-            ids,
-            reason,
-            _LOGPROB * tokens,
-            self.weight_version,
-            len(req.prompt_ids),
-        )
+        return placeholder_result(seq.req, tokens, reason, self.weight_version)
 
     def _die(self, reason: str) -> None:
         if self._dead is not None:

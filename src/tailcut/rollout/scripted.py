@@ -28,6 +28,7 @@ from tailcut.types import (
     Sample,
     SamplingParams,
     Turn,
+    extend_array,
     logprob_array,
     mask_array,
     token_array,
@@ -142,15 +143,15 @@ class ScriptedRollout:
         reason = turn.finish_reason = result.finish_reason
         version = turn.weight_version = result.weight_version
         turn.output_tokens = out
-        # ``extend`` copies an array of the same kind with one memcpy (the simulated
-        # engine's results) and converts anything else element by element.
-        sample.response_ids.extend(result.output_ids)
+        # One memcpy for an array of the same kind (the simulated engine's results),
+        # element by element for anything else.
+        extend_array(sample.response_ids, result.output_ids)
         sample.loss_mask += _SAMPLED * out
         logprobs = result.logprobs
         if logprobs is None:
             sample.logprobs += _NO_LOGPROB * out
         else:
-            sample.logprobs.extend(logprobs)
+            extend_array(sample.logprobs, logprobs)
         sample.versions += self._versions(version) * out
         tracer.emit(
             _ENGINE_CALL,
