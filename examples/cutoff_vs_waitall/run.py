@@ -10,9 +10,14 @@ seconds of training (rollout + update + weight sync; validation excluded), and w
 * ``OUT/estimator_bias.png`` — each training-reward estimator's bias on audit steps;
 * ``OUT/<variant>/``   — each run's directory (metrics.jsonl, traces, plots).
 
+With ``--seeds 0,1,2`` every variant is trained once per seed (``OUT/seed_<s>/<variant>/``)
+and the results gain a table across seeds (mean and range of each ratio); ``--jobs N`` runs
+N trainings at once, each in its own process (give each ``actor.threads`` cores).
+
 Usage::
 
     python examples/cutoff_vs_waitall/run.py --budget-s 240 [--only wait-all,target-count/drop] [key=value ...]
+    python examples/cutoff_vs_waitall/run.py --seeds 0,1,2 --jobs 15 actor.threads=1
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import argparse
 import asyncio
 import json
 import math
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +193,47 @@ def plots(runs: dict[str, Path], summary: dict[str, dict[str, Any]], out: Path) 
     plt.close(fig)
 
 
+def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
+    """A table of each variant's figures over seeds: mean [min, max]."""
+    keys = (
+        ("step_s", "s/step", ".2f"),
+        ("aborted_ratio", "aborted", ".0%"),
+        ("val_final", "val final", ".3f"),
+        ("time_ratio_vs_waitall", "ratio to wait-all's final val", ".2f"),
+        ("near_ratio_vs_waitall", "ratio to 90% of it", ".2f"),
+        ("bias_completed_mean", "bias completed", "+.3f"),
+        ("bias_all_zero_filled", "bias zero-filled", "+.3f"),
+        ("bias_group_imputed", "bias imputed", "+.3f"),
+    )
+    seeds = sorted(per_seed)
+    names = list(next(iter(per_seed.values())))
+    lines = [
+        f"Across seeds {', '.join(map(str, seeds))}: mean [min, max]; a ratio counts the seeds "
+        "where the variant got there (n/N).",
+        "",
+        "| variant | " + " | ".join(label for _, label, _ in keys) + " |",
+        "|---|" + "---|" * len(keys),
+    ]
+    for name in names:
+        cells = []
+        for key, _, spec in keys:
+            vals = [per_seed[s][name].get(key) for s in seeds]
+            got = [v for v in vals if v is not None and math.isfinite(v)]
+            if not got:
+                cells.append("—")
+                continue
+            cell = f"{_fmt(_mean(got), spec)} [{_fmt(min(got), spec)}, {_fmt(max(got), spec)}]"
+            if key.endswith("vs_waitall"):
+                cell += f" ({len(got)}/{len(vals)})"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _train_job(job: tuple[Path, str, Path, float, list[str]]) -> Path:
+    return train_variant(*job)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "arith-tiny.yaml")
@@ -196,6 +244,8 @@ def main() -> None:
     ap.add_argument(
         "--reach-frac", type=float, default=0.9, help="also time to this share of wait-all's final"
     )
+    ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds (one run each)")
+    ap.add_argument("--jobs", type=int, default=1, help="trainings run at once (processes)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -203,18 +253,47 @@ def main() -> None:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--only: unknown variant(s) {unknown}; known: {list(VARIANTS)}")
-    runs: dict[str, Path] = {}
-    for name in names:
-        run_dir = args.out / name.replace("/", "-")
-        if not args.summarize_only:
-            train_variant(args.config, name, args.out, args.budget_s, args.overrides)
-        runs[name] = run_dir
-    summary = summarize(runs, args.reach_frac)
-    text = table(summary, args.budget_s)
-    (args.out / "results.md").write_text(text, encoding="utf-8")
-    (args.out / "results.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    plots(runs, summary, args.out)
-    print(text)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+    try:
+        seeds = None if args.seeds is None else [int(x) for x in args.seeds.split(",") if x]
+    except ValueError:
+        raise SystemExit(
+            f"--seeds: expected comma-separated integers, got {args.seeds!r}"
+        ) from None
+    outs = {None: args.out} if seeds is None else {s: args.out / f"seed_{s}" for s in seeds}
+    jobs = [
+        (args.config, name, out, args.budget_s, [*args.overrides, *_seed(seed)])
+        for seed, out in outs.items()
+        for name in names
+    ]
+    if not args.summarize_only:
+        if args.jobs == 1:
+            for job in jobs:
+                _train_job(job)
+        else:
+            with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+                list(pool.map(_train_job, jobs))
+    per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    texts = []
+    for seed, out in outs.items():
+        runs = {name: out / name.replace("/", "-") for name in names}
+        summary = summarize(runs, args.reach_frac)
+        text = table(summary, args.budget_s)
+        (out / "results.md").write_text(text, encoding="utf-8")
+        (out / "results.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        plots(runs, summary, out)
+        texts.append(text if seed is None else f"Seed {seed}. {text}")
+        if seed is not None:
+            per_seed[seed] = summary
+    if len(per_seed) > 1:
+        texts.append(across_seeds(per_seed))
+        (args.out / "results.md").write_text("\n".join(texts), encoding="utf-8")
+    print("\n".join(texts))
+
+
+def _seed(seed: int | None) -> list[str]:
+    return [] if seed is None else [f"trainer.seed={seed}"]
 
 
 if __name__ == "__main__":
