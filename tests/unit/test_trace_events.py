@@ -81,6 +81,7 @@ EXTRAS = [
     {"status": None, "ok": True, "bad": False, "ratio": 0.1, "nan": math.nan, "inf": math.inf},
     {"color": _Color.RED, "obj": _Opaque(), "items": [1, 2.5, "x"], "nested": {"a": None}},
     {"big": 2**70, "neg": -0.0, "np": np.float64(1.25)},
+    {"ключ": -12, "status": _Color.RED, "n": 2**70, "s": 'a"b\\c'},  # the ints-and-strings path
 ]
 DURATIONS = [0.0, 1.23456789, 1e-9, 12345.6789012, 3, -0.0, math.nan, math.inf, np.float64(0.5)]
 

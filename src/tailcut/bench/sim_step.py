@@ -37,12 +37,15 @@ class ZeroLatencyEngine(BaseEngine):
     ``max_new_tokens`` placeholder tokens and log-probs (what :class:`SimEngine` returns),
     so a step's real time is the scheduler's, the rollout fn's and the tracer's. The
     caller is suspended once per request, as on a real engine; ``abort`` resolves
-    requests not yet answered with finish reason ``abort`` and no tokens."""
+    requests not yet answered with finish reason ``abort`` and no tokens. Answers of one
+    length share their token and log-prob arrays (made once: the engine's own work is
+    not what is measured; callers copy from results, never into them)."""
 
     name = "zero-latency"
 
     def __init__(self) -> None:
         self._pending: dict[str, asyncio.Future[GenerateResult]] = {}
+        self._answers: dict[int, GenerateResult] = {}
 
     async def _generate(self, request: GenerateRequest) -> GenerateResult:
         fut = asyncio.get_running_loop().create_future()
@@ -54,7 +57,19 @@ class ZeroLatencyEngine(BaseEngine):
     def _answer(self, request: GenerateRequest, fut: asyncio.Future[GenerateResult]) -> None:
         if self._pending.pop(request.request_id, None) is not None and not fut.done():
             n = request.sampling.max_new_tokens
-            fut.set_result(placeholder_result(request, n, FinishReason.LENGTH, 0))
+            made = self._answers.get(n)
+            if made is None:
+                made = self._answers[n] = placeholder_result(request, n, FinishReason.LENGTH, 0)
+            fut.set_result(
+                GenerateResult(
+                    request.request_id,
+                    made.output_ids,
+                    made.finish_reason,
+                    made.logprobs,
+                    0,
+                    len(request.prompt_ids),
+                )
+            )
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

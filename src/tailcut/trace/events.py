@@ -124,6 +124,8 @@ def _duration_json(duration: object) -> str:
 
 
 _KIND_JSON = {kind: encode_basestring_ascii(kind.value) for kind in EventKind}
+_KEY_JSON: dict[str, str] = {}
+"""Extra keys as JSON text with the colon (``"turn":``), filled as keys are first seen."""
 
 
 class Tracer:
@@ -200,8 +202,9 @@ class Tracer:
         )
 
     def _extra_json(self, extra: dict[str, Any]) -> str:
-        """``_json(extra)``; a one-key extra with an int value (``turn=k``: half of a
-        trajectory's events) is encoded once per key and value."""
+        """``_json(extra)``. A one-key extra with an int value (``turn=k``: half of a
+        trajectory's events) is encoded once per key and value; an extra of ints and
+        strings (the rest, but for errors) is assembled here, keys encoded once each."""
         if len(extra) == 1:
             ((key, value),) = extra.items()
             if type(value) is int:
@@ -212,7 +215,21 @@ class Tracer:
                         cache.clear()
                     text = cache[key, value] = _json(extra)
                 return text
-        return _json(extra)
+        keys = _KEY_JSON
+        parts = []
+        for key, value in extra.items():
+            k = keys.get(key)
+            if k is None:
+                if type(key) is not str:
+                    return _json(extra)
+                k = keys[key] = encode_basestring_ascii(key) + ":"
+            if type(value) is int:
+                parts.append(f"{k}{value}")
+            elif isinstance(value, str):  # StrEnums too: json writes their value
+                parts.append(k + encode_basestring_ascii(value))
+            else:
+                return _json(extra)
+        return "{" + ",".join(parts) + "}"
 
     def timestamp(self, wall: float) -> str:
         """``datetime.fromtimestamp(wall, UTC).isoformat()``, the same string, rounded the
