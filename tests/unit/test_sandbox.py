@@ -240,7 +240,7 @@ def test_cancel_mid_run_kills_everything_and_removes_the_dir(box: Box) -> None:
     elapsed = asyncio.run(main())
     box.assert_clean()
     print(f"cancel to clean: {elapsed * 1000:.1f} ms")
-    assert elapsed < 0.1, f"cleanup after cancel took {elapsed:.3f} s"
+    assert elapsed < 1.0, f"cleanup after cancel took {elapsed:.3f} s"  # not the 30 s timeout
 
 
 def test_stdin_and_files_reach_the_program(box: Box) -> None:
