@@ -171,6 +171,11 @@ def test_a_lone_request_waits_for_a_batch_at_most_admit_max_wait_decode_passes(
     def body(long_tokens: int) -> Callable[[HFEngine], Awaitable[bool]]:
         async def main(engine: HFEngine) -> bool:
             long = asyncio.create_task(engine.generate(req(prompt(0, 5), long_tokens)))
+            # The long request reaches the engine first (a task starts on the loop's next
+            # turn: without this, the short one could be queued first and ``long`` admitted
+            # later beside the second short one).
+            while not await engine.in_flight():  # noqa: ASYNC110 (the engine has no event for it)
+                await asyncio.sleep(0.001)
             await engine.generate(req(prompt(1, 5), 2))  # admitted with long: it decodes now
             await engine.generate(req(prompt(2, 5), 1))
             still_running = bool(await engine.in_flight())
