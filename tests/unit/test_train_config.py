@@ -63,3 +63,34 @@ def test_rollout_workers_cut_globally() -> None:
     assert "rollout.workers:" in str(err.value) and "allowed: 1 <= x <= 4096" in str(err.value)
     with pytest.raises(ConfigError, match=r"rollout\.backend: Input should be 'local' or 'ray'"):
         load_train_config(None, ["rollout.backend=mpi"])
+
+
+def test_the_gc_pause_switch_reaches_the_workers_step_options(tmp_path) -> None:
+    import asyncio
+
+    from tailcut.engine.sim import SimEngine
+    from tailcut.train.rollout_pool import make_workers
+
+    assert load_train_config(None, []).rollout.gc_pause is True
+    cfg = load_train_config(None, ["rollout.gc_pause=false", "trainer.step_timeout_s=30"])
+
+    async def options():
+        pool = await make_workers(cfg, SimEngine(), _NoRollout(), None, tmp_path)
+        try:
+            return pool.options  # type: ignore[attr-defined]
+        finally:
+            await pool.aclose()
+
+    got = asyncio.run(options())
+    assert (got.gc_pause, got.timeout_s, got.abort_deadline_s) == (
+        False,
+        30.0,
+        cfg.engine.abort_deadline_s,
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.gc_pause"):
+        load_train_config(None, ["rollout.gc_pause=sometimes"])
+
+
+class _NoRollout:
+    async def __call__(self, sample, engine, tracer) -> None:
+        raise AssertionError("no step runs here")

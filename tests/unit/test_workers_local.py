@@ -9,7 +9,7 @@ from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.engine.sim import SimEngine, SimFaults
 from tailcut.rollout.cutoff import TargetCount, WaitAll
 from tailcut.rollout.recipes import SimRecipe
-from tailcut.rollout.scheduler import StepFailed
+from tailcut.rollout.scheduler import StepFailed, StepOptions
 from tailcut.rollout.workers import (
     LocalWorkers,
     SharedRecipe,
@@ -227,3 +227,35 @@ def test_an_interrupt_in_a_worker_is_not_a_worker_failure():
     with pytest.raises(BaseExceptionGroup) as err:
         run_virtual(main())
     assert err.group_contains(_Interrupt)
+
+
+@pytest.mark.parametrize("gc_pause", [True, False])
+def test_the_step_options_reach_every_worker_step(gc_pause: bool):
+    """``options`` (here ``gc_pause``) is what each worker's ``run_step`` runs with: the
+    collector is paused inside every rollout exactly when asked, and back on afterwards."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Watching:
+        async def __call__(self, sample, engine, tracer):
+            seen.append(gc.isenabled())
+            sample.finish_reason = FinishReason.STOP
+
+    async def main():
+        pool = LocalWorkers(
+            CutoffConfig(policy="wait-all"),
+            SharedRecipe(SimEngine(ENGINE), lambda r: Watching()),
+            2,
+            options=StepOptions(abort_deadline_s=1.0, gc_pause=gc_pause),
+        )
+        samples = [Sample(index=i, group=i) for i in range(4)]
+        try:
+            return await pool.run_step(0, plan_for_policy(WaitAll(4), [0, 1, 2, 3], 2), samples)
+        finally:
+            await pool.aclose()
+
+    assert gc.isenabled()
+    res = run_virtual(main())
+    assert res.completed == 4 and seen == [not gc_pause] * 4
+    assert gc.isenabled()

@@ -22,7 +22,7 @@ import ray
 
 from tailcut.config import CutoffConfig
 from tailcut.rollout.cutoff import CutoffPolicy
-from tailcut.rollout.scheduler import StepResult
+from tailcut.rollout.scheduler import DEFAULT_STEP_OPTIONS, StepOptions, StepResult
 from tailcut.rollout.workers import (
     Coordinator,
     RolloutWorker,
@@ -49,8 +49,7 @@ class _WorkerActor:
         samples: list[Sample],
         policy: CutoffPolicy,
         coordinator: Any | None,
-        abort_deadline_s: float,
-        timeout_s: float | None = None,
+        options: StepOptions,
         index_offset: int = 0,
     ) -> WorkerStep:
         report = None
@@ -60,8 +59,7 @@ class _WorkerActor:
                 coordinator.report.remote(rank, index, group, status)
 
         return await self.worker.run_step(
-            step, samples, policy, report, abort_deadline_s,
-            timeout_s=timeout_s, index_offset=index_offset,
+            step, samples, policy, report, options, index_offset=index_offset,
         )  # fmt: skip
 
     async def cut(self, reason: str) -> None:
@@ -106,8 +104,7 @@ class RayWorkers(Workers):
         n_workers: int,
         run_dir: Path | None = None,
         *,
-        abort_deadline_s: float = 5.0,
-        timeout_s: float | None = None,
+        options: StepOptions = DEFAULT_STEP_OPTIONS,
         num_cpus_per_worker: float = 0.5,
     ) -> None:
         super().__init__(cfg, n_workers)
@@ -116,8 +113,7 @@ class RayWorkers(Workers):
                 "RayWorkers needs ray.init() first (see tailcut.rollout.ray_workers)"
             )
         self.namespace = f"tailcut-{uuid.uuid4().hex[:8]}"
-        self.abort_deadline_s = abort_deadline_s
-        self.timeout_s = timeout_s
+        self.options = options
         actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)(_WorkerActor)
         self.actors: list[Any] = [
             actor.options(name=f"{self.namespace}-worker-{r}").remote(
@@ -146,8 +142,7 @@ class RayWorkers(Workers):
                 shares[r],
                 plan.policies[r],
                 coord,
-                self.abort_deadline_s,
-                self.timeout_s,
+                self.options,
                 plan.offsets[r],
             )
             for r, a in enumerate(self.actors)

@@ -78,6 +78,21 @@ class StepControl:
             self.cut(self._pending_cut)
 
 
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """How a step runs, whatever its policy (what workers pass down to :func:`run_step`)."""
+
+    abort_deadline_s: float = 5.0
+    """How long a cut waits for aborts to be confirmed before reporting the ids."""
+    timeout_s: float | None = None
+    """Hard cap on the step (the running loop's clock): past it the step is cut."""
+    gc_pause: bool = True
+    """Pause the cyclic garbage collector during the step (``rollout/gc_pause.py``)."""
+
+
+DEFAULT_STEP_OPTIONS = StepOptions()
+
+
 @dataclass(slots=True)
 class StepResult:
     samples: list[Sample]

@@ -38,7 +38,15 @@ from typing import Protocol, runtime_checkable
 from tailcut.config import CutoffConfig
 from tailcut.engine.base import Engine, EngineStats, EngineView
 from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
-from tailcut.rollout.scheduler import RolloutFn, StepControl, StepFailed, StepResult, run_step
+from tailcut.rollout.scheduler import (
+    DEFAULT_STEP_OPTIONS,
+    RolloutFn,
+    StepControl,
+    StepFailed,
+    StepOptions,
+    StepResult,
+    run_step,
+)
 from tailcut.rollout.worker_plan import StepPlan as StepPlan
 from tailcut.rollout.worker_plan import plan_for_policy as plan_for_policy
 from tailcut.rollout.worker_plan import plan_step as plan_step
@@ -175,9 +183,8 @@ class RolloutWorker:
         samples: list[Sample],
         policy: CutoffPolicy,
         report: Callable[[int, int, int, Status], object] | None = None,
-        abort_deadline_s: float = 5.0,
+        options: StepOptions = DEFAULT_STEP_OPTIONS,
         *,
-        timeout_s: float | None = None,
         index_offset: int = 0,
     ) -> WorkerStep:
         if not samples:
@@ -204,9 +211,10 @@ class RolloutWorker:
                 self.rollout,
                 policy,
                 tracer,
-                abort_deadline_s=abort_deadline_s,
-                timeout_s=timeout_s,
+                abort_deadline_s=options.abort_deadline_s,
+                timeout_s=options.timeout_s,
                 control=self.control,
+                gc_pause=options.gc_pause,
             )
         self.control = None
         return WorkerStep(rank, result, self.cut_received_at, policy.state_dict())
@@ -341,13 +349,11 @@ class LocalWorkers(Workers):
         n_workers: int,
         run_dir: Path | None = None,
         *,
-        abort_deadline_s: float = 5.0,
-        timeout_s: float | None = None,
+        options: StepOptions = DEFAULT_STEP_OPTIONS,
     ) -> None:
         super().__init__(cfg, n_workers)
         self.workers = [RolloutWorker(r, recipe, run_dir) for r in range(n_workers)]
-        self.abort_deadline_s = abort_deadline_s
-        self.timeout_s = timeout_s
+        self.options = options
 
     async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
         shares = self._check(plan, samples)
@@ -361,8 +367,8 @@ class LocalWorkers(Workers):
 
         async def one(r: int) -> WorkerStep:
             return await self.workers[r].run_step(
-                step, shares[r], plan.policies[r], report, self.abort_deadline_s,
-                timeout_s=self.timeout_s, index_offset=plan.offsets[r],
+                step, shares[r], plan.policies[r], report, self.options,
+                index_offset=plan.offsets[r],
             )  # fmt: skip
 
         tasks = [asyncio.create_task(one(r)) for r in range(self.n_workers)]

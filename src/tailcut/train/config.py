@@ -115,6 +115,10 @@ class RolloutConfig(_Model):
     per worker, built from the setup's picklable worker recipe (needs ``ray.init``)."""
     num_cpus_per_worker: float = Field(0.5, gt=0.0, le=1024.0)
     """ray: CPUs each worker actor reserves."""
+    gc_pause: bool = True
+    """Pause Python's cyclic garbage collector while a rollout step runs and collect the
+    young generations once at its end (a step allocates many short-lived objects; a
+    collection mid-step stalls every trajectory). False: the interpreter's default."""
 
 
 class TrainerConfig(_Model):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailcut.engine.base import Engine
-from tailcut.rollout.scheduler import RolloutFn
+from tailcut.rollout.scheduler import RolloutFn, StepOptions
 from tailcut.rollout.workers import LocalWorkers, SharedRecipe, WorkerRecipe, Workers
 from tailcut.train.config import TrainConfig
 from tailcut.train.seeding import SeededRollout
@@ -37,14 +37,11 @@ async def make_workers(
     step and global sample index (a :class:`SeededRollout` built in the actor)."""
     r = cfg.rollout
     trace_dir = run_dir / "traces" if cfg.trainer.trace else None
-    abort_s, timeout_s = cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s
+    options = StepOptions(cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause)
     if r.backend == "local":
         seed = cfg.trainer.seed
         shared = SharedRecipe(engine, lambda rank: SeededRollout(rollout, seed, stream=0))
-        return LocalWorkers(
-            cfg.cutoff, shared, r.workers, trace_dir,
-            abort_deadline_s=abort_s, timeout_s=timeout_s,
-        )  # fmt: skip
+        return LocalWorkers(cfg.cutoff, shared, r.workers, trace_dir, options=options)
     if recipe is None:
         raise ValueError(
             "rollout.backend: 'ray' needs a worker recipe that builds each worker's engine "
@@ -58,8 +55,8 @@ async def make_workers(
     if not ray.is_initialized():  # the cluster at RAY_ADDRESS, else a local one
         ray.init(ignore_reinit_error=True)
     pool = RayWorkers(
-        cfg.cutoff, recipe, r.workers, trace_dir, abort_deadline_s=abort_s,
-        timeout_s=timeout_s, num_cpus_per_worker=r.num_cpus_per_worker,
+        cfg.cutoff, recipe, r.workers, trace_dir, options=options,
+        num_cpus_per_worker=r.num_cpus_per_worker,
     )  # fmt: skip
     await pool.start()
     return pool

@@ -333,7 +333,7 @@ class Trainer:
         self.val_rollout.set_step(0)  # the same seeds every time: differences are the policy's
         result = await run_step(
             self.setup.engine, samples, self.val_rollout, policy, Tracer(None, step=step),
-            abort_deadline_s=self.cfg.engine.abort_deadline_s,
+            abort_deadline_s=self.cfg.engine.abort_deadline_s, gc_pause=self.cfg.rollout.gc_pause,
         )  # fmt: skip
         rewards = [
             float(s.reward) if s.status in FINISHED and s.reward is not None else 0.0
