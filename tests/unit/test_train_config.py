@@ -77,7 +77,7 @@ def test_the_gc_pause_switch_reaches_the_workers_step_options(tmp_path) -> None:
     async def options():
         pool = await make_workers(cfg, SimEngine(), _NoRollout(), None, tmp_path)
         try:
-            return pool.options  # type: ignore[attr-defined]
+            return pool.options
         finally:
             await pool.aclose()
 

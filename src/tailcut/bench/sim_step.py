@@ -48,10 +48,9 @@ class ZeroLatencyEngine(BaseEngine):
         self._answers: dict[int, GenerateResult] = {}
 
     async def _generate(self, request: GenerateRequest) -> GenerateResult:
-        fut = asyncio.get_running_loop().create_future()
-        rid = request.request_id
-        self._pending[rid] = fut
-        fut.get_loop().call_soon(self._answer, request, fut)
+        loop = asyncio.get_running_loop()
+        fut = self._pending[request.request_id] = loop.create_future()
+        loop.call_soon(self._answer, request, fut)
         return await fut
 
     def _answer(self, request: GenerateRequest, fut: asyncio.Future[GenerateResult]) -> None:

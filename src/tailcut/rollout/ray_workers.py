@@ -107,13 +107,12 @@ class RayWorkers(Workers):
         options: StepOptions = DEFAULT_STEP_OPTIONS,
         num_cpus_per_worker: float = 0.5,
     ) -> None:
-        super().__init__(cfg, n_workers)
+        super().__init__(cfg, n_workers, options)
         if not ray.is_initialized():
             raise RuntimeError(
                 "RayWorkers needs ray.init() first (see tailcut.rollout.ray_workers)"
             )
         self.namespace = f"tailcut-{uuid.uuid4().hex[:8]}"
-        self.options = options
         actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)(_WorkerActor)
         self.actors: list[Any] = [
             actor.options(name=f"{self.namespace}-worker-{r}").remote(

@@ -330,36 +330,27 @@ async def run_step(
     runs and collects the young generations once at its end (see ``rollout/gc_pause.py``;
     False: the interpreter's default).
     """
-    with gc_paused(gc_pause):
-        return await _run_step(
-            engine, list(samples), rollout, policy, tracer, abort_deadline_s, timeout_s, control
-        )
-
-
-async def _run_step(
-    engine: Engine,
-    samples: list[Sample],
-    rollout: RolloutFn,
-    policy: CutoffPolicy,
-    tracer: Tracer,
-    abort_deadline_s: float,
-    timeout_s: float | None,
-    control: StepControl | None,
-) -> StepResult:
+    samples = list(samples)
     if len(samples) != policy.n_launch:
         raise ValueError(
             f"{policy.name} launches {policy.n_launch} samples but {len(samples)} were given"
         )
     if [s.index for s in samples] != list(range(len(samples))):
         raise ValueError("samples must be indexed 0..n-1 in launch order")
-    step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control)
+    with gc_paused(gc_pause):
+        step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control)
+        return await _run_step(step)
+
+
+async def _run_step(step: _Step) -> StepResult:
+    policy, control = step.policy, step.control
     policy.start(step.t0)
     tasks: list[asyncio.Task[None]] = []
     unconfirmed: list[str] = []
     abort_to_idle: float | None = None
     rounds = 0
     async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(step.run_one(s)) for s in samples]
+        tasks = [tg.create_task(step.run_one(s)) for s in step.samples]
         if control is not None:
             control._attach(step)
         await step.wait_for_cut()
@@ -375,7 +366,7 @@ async def _run_step(
             if step.cut_perf is not None:
                 abort_to_idle = time.perf_counter() - step.cut_perf
             await _settle(step, tasks)
-    return _result(step, rounds, unconfirmed, abort_to_idle, await engine.stats())
+    return _result(step, rounds, unconfirmed, abort_to_idle, await step.engine.stats())
 
 
 def _trace_cut(step: _Step) -> None:

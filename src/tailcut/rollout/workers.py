@@ -307,9 +307,13 @@ def _lost(i: int, lo: int, exc: BaseException) -> Sample:
 class Workers(ABC):
     """What the trainer drives: one step over all workers, merged."""
 
-    def __init__(self, cfg: CutoffConfig, n_workers: int) -> None:
+    def __init__(
+        self, cfg: CutoffConfig, n_workers: int, options: StepOptions = DEFAULT_STEP_OPTIONS
+    ) -> None:
         self.cfg = cfg
         self.n_workers = n_workers
+        self.options = options
+        """How every worker runs its step (abort deadline, step timeout, GC pause)."""
         self.policy_state: dict[str, object] = {}
 
     def plan(self, n_target: int, group_size: int = 1) -> StepPlan:
@@ -351,9 +355,8 @@ class LocalWorkers(Workers):
         *,
         options: StepOptions = DEFAULT_STEP_OPTIONS,
     ) -> None:
-        super().__init__(cfg, n_workers)
+        super().__init__(cfg, n_workers, options)
         self.workers = [RolloutWorker(r, recipe, run_dir) for r in range(n_workers)]
-        self.options = options
 
     async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
         shares = self._check(plan, samples)
