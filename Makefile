@@ -20,6 +20,7 @@ run: install
 lint: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/lint-imports
 
 fmt: install
 	$(VENV)/bin/ruff format src tests

@@ -50,7 +50,7 @@ ESTIMATORS = ("completed_mean", "all_zero_filled", "group_imputed")
 
 
 def train_variant(config: Path, name: str, out: Path, budget_s: float, extra: list[str]) -> Path:
-    from tailcut.train.command import _run
+    from tailcut.app.commands.train import _run
 
     run_dir = out / name.replace("/", "-")
     overrides = [

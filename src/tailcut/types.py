@@ -88,6 +88,11 @@ class Status(StrEnum):
     FAILED = "failed"  # a real error (engine, tool, reward); never turned into padding
 
 
+FINISHED: frozenset[Status] = frozenset({Status.COMPLETED, Status.TRUNCATED})
+"""The statuses of a usable sample: it ran to its end (a StrEnum: a trace's status strings
+match too)."""
+
+
 class FinishReason(StrEnum):
     """Why a generation (one engine call) or a trajectory ended."""
 
@@ -188,6 +193,9 @@ class Sample:
     ended_at: float | None = None
     resumed_from_step: int | None = None
     """For partial rollouts: the step that started this trajectory (None if fresh)."""
+    seed: int | None = None
+    """Sampling seed of this launch (``rollout/seeds.py``); engine call ``k`` of the launch
+    samples with ``call_seed(seed, k)``. None: the engine's own randomness."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_array(self.prompt_ids, TOKEN_TYPECODE)

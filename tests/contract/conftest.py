@@ -73,7 +73,7 @@ async def _sim(config: SimEngineConfig) -> AsyncIterator[Engine]:
 
 @functools.cache
 def _hf_model(name: str, device: str) -> Any:
-    from tailcut.engine.hf_load import random_qwen2
+    from tailcut.engine.hf.load import random_qwen2
 
     return random_qwen2(name, device=device)
 

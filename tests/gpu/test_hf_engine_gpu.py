@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
-from tailcut.engine.hf_load import random_qwen2  # noqa: E402
+from tailcut.engine.hf.load import random_qwen2  # noqa: E402
 from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,

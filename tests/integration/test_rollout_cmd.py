@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from fakes.tiny_model import TINY
-from tailcut.cli import app
+from tailcut.app.cli import app
 from tailcut.data.arith import write_dataset
 from tailcut.models import build
 

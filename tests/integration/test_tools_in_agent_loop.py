@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from fakes.procs import marked_processes
+from fakes.scripted_engine import ScriptCall, ScriptedEngine
 from tailcut.chat.parser import format_tool_call
-from tailcut.engine.scripted import ScriptCall, ScriptedEngine
 from tailcut.reward.registry import (
     RewardInput,
     RewardOutput,

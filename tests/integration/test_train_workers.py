@@ -15,15 +15,14 @@ import pytest
 from rich.console import Console
 from train_fixtures import TOKEN_S, read_jsonl, script, tiny_config, tiny_setup
 
+from fakes.scripted_engine import ScriptedEngine
 from tailcut.engine.base import Engine
-from tailcut.engine.scripted import ScriptedEngine
+from tailcut.reward.registry import RewardFn
 from tailcut.rollout.resume import ResumableAgentLoop
 from tailcut.rollout.scheduler import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.tools.calculator import CalculatorTool
-from tailcut.train.build import RewardFn
 from tailcut.train.config import AgentLoopConfig
-from tailcut.train.seeding import SeededRollout
 from tailcut.train.trainer import Trainer
 from tailcut.vtime import run_virtual
 
@@ -85,7 +84,8 @@ def test_deadline_policy_over_workers_learns_like_one(tmp_path: Path, chat_token
 
 @dataclass(frozen=True)
 class ScriptedRecipe:
-    """What a Ray worker builds in its actor: the scripted engine and a seeded agent loop."""
+    """What a Ray worker builds in its actor: the scripted engine and the agent loop (the
+    trainer seeds the samples)."""
 
     tokenizer: Any
     agent: AgentLoopConfig
@@ -97,7 +97,7 @@ class ScriptedRecipe:
         loop = ResumableAgentLoop(
             self.tokenizer, self.agent, toolset=tools, reward_fn=RewardFn("answer")
         )
-        return engine, SeededRollout(loop, self.seed, stream=0)
+        return engine, loop
 
 
 @pytest.mark.ray
@@ -106,9 +106,11 @@ def test_ray_workers_train(tmp_path: Path, chat_tokenizer: Any) -> None:
     ray = pytest.importorskip("ray")
     import train_fixtures
 
+    import fakes.scripted_engine
     from tailcut.rollout.ray_workers import init_local_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.cloudpickle.register_pickle_by_value(fakes.scripted_engine)  # not importable in Ray workers
     ray.cloudpickle.register_pickle_by_value(train_fixtures)
     ray.cloudpickle.register_pickle_by_value(__import__(__name__))
     init_local_ray(num_cpus=2, object_store_mb=80)

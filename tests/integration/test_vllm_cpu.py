@@ -279,7 +279,7 @@ def test_tailcut_train_on_vllm_syncs_every_step(tmp_path: Any) -> None:
 
     from typer.testing import CliRunner
 
-    from tailcut.cli import app
+    from tailcut.app.cli import app
 
     server = asyncio.run(shared_server())
     run_dir = tmp_path / "run"
@@ -320,7 +320,7 @@ def test_tailcut_rollout_command_on_vllm(tmp_path: Any) -> None:
 
     from typer.testing import CliRunner
 
-    from tailcut.cli import app
+    from tailcut.app.cli import app
     from tailcut.data.arith import write_dataset
 
     server = asyncio.run(shared_server())

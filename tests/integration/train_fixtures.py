@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
+from fakes.scripted_engine import ScriptCall, ScriptedEngine, ramble
 from tailcut.chat.parser import format_tool_call
 from tailcut.config import AgentLoopConfig
-from tailcut.engine.scripted import ScriptCall, ScriptedEngine, ramble
+from tailcut.reward.registry import RewardFn
 from tailcut.rollout.resume import ResumableAgentLoop
 from tailcut.tools.base import ToolSet
 from tailcut.tools.calculator import CalculatorTool
 from tailcut.train.actor import Actor
-from tailcut.train.build import RewardFn
 from tailcut.train.config import TrainConfig, load_train_config
 from tailcut.train.trainer import TrainSetup
 

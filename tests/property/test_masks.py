@@ -21,11 +21,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes.scripted_engine import ScriptedEngine
 from tailcut.chat.parser import format_tool_call
 from tailcut.chat.template import decode, encode, render_ids
 from tailcut.chat.tokenize import IncrementalChat
 from tailcut.config import AgentLoopConfig
-from tailcut.engine.scripted import ScriptedEngine
 from tailcut.rollout.agent_loop import AgentLoop
 from tailcut.tools.base import ToolResult, ToolSet
 from tailcut.trace.events import NULL_TRACER

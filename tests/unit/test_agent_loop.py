@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 
+from fakes.scripted_engine import ScriptCall, ScriptedEngine, ramble
 from tailcut.chat.parser import format_tool_call
 from tailcut.chat.template import decode, encode, render_ids
 from tailcut.config import AgentLoopConfig
 from tailcut.engine.base import BaseEngine, EngineError
-from tailcut.engine.scripted import ScriptCall, ScriptedEngine, ramble
 from tailcut.rollout.agent_loop import TRUNCATION_MARK, AgentLoop
 from tailcut.rollout.cutoff import TargetCount
 from tailcut.rollout.scheduler import run_step
+from tailcut.rollout.seeds import TRAIN_STREAM, mix, seed_samples
 from tailcut.tools.base import ToolResult, ToolSet
 from tailcut.trace.events import NULL_TRACER, Tracer, read_trace
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult, Sample, Status
@@ -132,6 +133,25 @@ def test_tool_call_then_answer_stops_with_reward_and_exact_tokens(chat_tokenizer
         "turn_start", "turn_engine_call", "tool_call", "turn_end",
         "turn_start", "turn_engine_call", "turn_end",
     ]  # fmt: skip
+
+
+def test_each_engine_call_gets_the_seed_of_its_sample_and_its_number(chat_tokenizer):
+    tok = chat_tokenizer
+    seeds: list[int | None] = []
+
+    class Recording(ScriptedEngine):
+        async def generate(self, request: GenerateRequest) -> GenerateResult:
+            seeds.append(request.sampling.seed)
+            return await super().generate(request)
+
+    replies = [format_tool_call("echo", {"text": "1"}), "#### 1"]
+    loop = AgentLoop(tok, toolset=ToolSet({"echo": FakeTool()}))
+    seeded = _sample(index=9)
+    seed_samples([seeded], 3, TRAIN_STREAM, 4)
+    _run(loop, seeded, Recording(tok, _script(replies)))
+    assert seeds == [mix(mix(3, 0, 4, 9), 1), mix(mix(3, 0, 4, 9), 2)]
+    _run(loop, _sample(), Recording(tok, _script(replies)))  # unseeded: the engine's own
+    assert seeds[2:] == [None, None]
 
 
 def test_max_turns_ends_on_the_models_last_token_without_running_its_calls(chat_tokenizer):

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tailcut.algo.batch import ABORTED_MODES, BatchBuffers, TrainBatch, assemble, plan_rows
+from tailcut.app.cli import app
 from tailcut.bench.batch_bench import make_step
-from tailcut.cli import app
 from tailcut.types import Sample, Status
 
 FIELDS = ("input_ids", "loss_mask", "old_logprobs", "versions")

@@ -7,7 +7,7 @@ from tailcut.rollout.cutoff import (
     Deadline,
     GroupQuota,
     OverProvision,
-    StepOutcome,
+    StepFeedback,
     TargetCount,
     WaitAll,
     make_policy,
@@ -93,7 +93,7 @@ def test_learned_deadline_untouched_normal_steps_cut_outlier():
     p.start(0.0)
     assert p.deadline() is None  # no history: wait for all
     for t in (80.0, 82.0, 78.0, 81.0):
-        p.end(StepOutcome(step_time_s=t, cut=False, usable=10, launched=10))
+        p.end(StepFeedback(step_time_s=t, cut=False, usable=10, launched=10))
     budget = p.budget_s()
     assert budget == pytest.approx(quantile([78.0, 80.0, 81.0, 82.0], 0.9) * 1.25)
     assert 82.0 < budget < 1.5 * 80.0
@@ -107,12 +107,12 @@ def test_default_learned_deadline_ignores_long_and_cut_steps_in_its_history():
     p = Deadline(10)  # the defaults: lower quartile of the recent steps x 1.3
     normal = [70.0, 63.0, 82.0, 66.0, 72.0, 101.0]  # right-skewed, like real step times
     for t in normal:
-        p.end(StepOutcome(step_time_s=t, cut=False, usable=10, launched=10))
+        p.end(StepFeedback(step_time_s=t, cut=False, usable=10, launched=10))
     budget = p.budget_s()
     assert budget == pytest.approx(quantile(sorted(normal), 0.25) * 1.3)
     assert 1.1 * 70.0 < budget < 1.3 * 70.0  # about 1.2x the median normal step
     for _ in range(2):  # two outlier steps, remembered at their cut time
-        p.end(StepOutcome(step_time_s=budget, cut=True, usable=8, launched=10))
+        p.end(StepFeedback(step_time_s=budget, cut=True, usable=8, launched=10))
     assert p.budget_s() < budget * 1.05  # the quartile barely moves (the median would)
     cut_at_median = Deadline(10, quantile=0.5)
     cut_at_median.load_state_dict(p.state_dict())

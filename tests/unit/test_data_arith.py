@@ -4,10 +4,10 @@ from collections import Counter
 import pytest
 from typer.testing import CliRunner
 
-from tailcut.cli import app
+from tailcut.app.cli import app
+from tailcut.data import arith
 from tailcut.data.arith import split_seed, write_dataset
 from tailcut.data.verl import load_prompts, read_rows
-from tailcut.models import arith
 from tailcut.tools.calculator import evaluate
 from tailcut.tools.registry import load_tool_config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from tailcut.cli import app
+from tailcut.app.cli import app
 from tailcut.data.gsm8k import Prompts, make_row
 from tailcut.data.verl import write_rows
 

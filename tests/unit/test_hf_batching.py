@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
-from tailcut.engine.hf_graphs import batch_bucket, prefill_shape, width_bucket  # noqa: E402
-from tailcut.engine.hf_sampling import sample_tokens  # noqa: E402
+from tailcut.engine.hf.graphs import batch_bucket, prefill_shape, width_bucket  # noqa: E402
+from tailcut.engine.hf.sampling import sample_tokens  # noqa: E402
 from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,

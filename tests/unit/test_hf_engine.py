@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.base import EngineError  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
-from tailcut.engine.hf_sampling import nucleus_logprobs  # noqa: E402
+from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
 from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,
@@ -460,7 +460,7 @@ def test_bad_requests_are_refused_naming_the_request(model: Any) -> None:
 def test_inverse_cdf_sampler_hits_each_token_in_proportion_to_its_probability(
     temperature: float, top_p: float
 ) -> None:
-    from tailcut.engine.hf_sampling import sample_tokens
+    from tailcut.engine.hf.sampling import sample_tokens
 
     torch.manual_seed(3)
     logits = torch.randn(1, 12) * 2.0

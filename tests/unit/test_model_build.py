@@ -8,8 +8,9 @@ transformers = pytest.importorskip("transformers")
 
 from fakes.tiny_model import TINY  # noqa: E402
 from tailcut.chat.template import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: E402
-from tailcut.models import arith, build  # noqa: E402
-from tailcut.models.command import ModelNotFoundError, resolve_model  # noqa: E402
+from tailcut.data import arith  # noqa: E402
+from tailcut.models import build  # noqa: E402
+from tailcut.models.resolve import ModelNotFoundError, resolve_model  # noqa: E402
 from tailcut.models.sft import _collate, common_prefix, encode_conversations, masked_loss  # noqa: E402
 from tailcut.models.tokenizer import chat_renderer  # noqa: E402
 

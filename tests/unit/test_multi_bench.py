@@ -35,7 +35,7 @@ def test_bench_cli_compares_scopes_over_workers():
 
     from typer.testing import CliRunner
 
-    from tailcut.cli import app
+    from tailcut.app.cli import app
 
     res = CliRunner().invoke(app, ["bench", "--workers", "2", "--requests", "64", "--json"])
     assert res.exit_code == 0, res.output

@@ -103,7 +103,7 @@ def _question_sample(index: int, question: str) -> Sample:
 
 
 def _cut_step(tokenizer: object, script: object) -> tuple[object, list[Sample]]:
-    from tailcut.engine.scripted import ScriptedEngine
+    from fakes.scripted_engine import ScriptedEngine
     from tailcut.rollout.cutoff import TargetCount
     from tailcut.rollout.resume import ResumableAgentLoop
     from tailcut.rollout.scheduler import run_step
@@ -118,7 +118,7 @@ def _cut_step(tokenizer: object, script: object) -> tuple[object, list[Sample]]:
 
 
 def _run_resumed(tokenizer: object, script: object, sample: Sample, version: int) -> object:
-    from tailcut.engine.scripted import ScriptedEngine
+    from fakes.scripted_engine import ScriptedEngine
     from tailcut.rollout.cutoff import WaitAll
     from tailcut.rollout.resume import ResumableAgentLoop
     from tailcut.rollout.scheduler import run_step
@@ -132,7 +132,7 @@ def _run_resumed(tokenizer: object, script: object, sample: Sample, version: int
 
 
 def test_resume_mid_generation_continues_from_prompt_plus_tokens(chat_tokenizer: object) -> None:
-    from tailcut.engine.scripted import ramble
+    from fakes.scripted_engine import ramble
 
     def script(call: object) -> str:
         return "#### 1" if "short" in call.prompt_text else ramble(40)  # type: ignore[attr-defined]
@@ -189,8 +189,8 @@ class SlowTool:
 
 
 def test_resume_cut_inside_tool_call_replays_the_calls(chat_tokenizer: object) -> None:
+    from fakes.scripted_engine import ScriptedEngine, ramble
     from tailcut.chat.parser import format_tool_call
-    from tailcut.engine.scripted import ScriptedEngine, ramble
     from tailcut.rollout.cutoff import TargetCount, WaitAll
     from tailcut.rollout.resume import ResumableAgentLoop
     from tailcut.rollout.scheduler import run_step
@@ -227,3 +227,24 @@ def test_resume_cut_inside_tool_call_replays_the_calls(chat_tokenizer: object) -
     assert len(engine2.requests) == 1  # no new generation for the replayed turn
     assert [m["role"] for m in resumed.messages[-3:]] == ["assistant", "tool", "assistant"]
     assert resumed.messages[-1]["content"] == "#### 7"
+
+
+def test_settle_gives_earlier_baselines_then_keeps_the_deferred_and_this_steps_rewards():
+    from tailcut.algo.batch import plan_rows
+
+    def done(i: int, group: int, reward: float) -> Sample:
+        return Sample(index=i, group=group, status=Status.COMPLETED, reward=reward)
+
+    buf = PartialBuffer(max_staleness=2)
+    cut = Sample(index=1, group=7, status=Status.ABORTED)
+    # Step 1: one member of group 7 finished (a lone row: small_group=drop leaves it out of
+    # the batch, but its reward is still a draw of the group's), one was cut.
+    rows = plan_rows([done(0, 7, 1.0), cut], None, "partial")
+    assert buf.settle(1, rows) == {}  # no earlier members: no baseline yet
+    assert len(buf) == 1 and buf.baseline_rewards([7]) == {7: [1.0]}
+    # Step 2: the resumed member finishes; its baseline is the member trained in step 1.
+    (resumed,) = buf.take(2).resumed
+    resumed.status, resumed.reward = Status.COMPLETED, 0.0
+    rows = plan_rows([resumed], None, "partial")
+    assert buf.settle(2, rows) == {7: [1.0]}
+    assert len(buf) == 0 and buf.baseline_rewards([7]) == {}  # nothing left in flight

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tailcut.models import arith
+from tailcut.data import arith
 from tailcut.reward.arith import arith_score, extract_integer
 from tailcut.reward.dapo import dapo_score, normalize_answer
 from tailcut.reward.gsm8k import extract_answer, gsm8k_score

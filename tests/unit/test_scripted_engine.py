@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from fakes.scripted_engine import ScriptCall, ScriptedEngine, count_turns, ramble
 from tailcut.chat.template import decode, encode, render_ids
 from tailcut.engine.base import Engine
-from tailcut.engine.scripted import ScriptCall, ScriptedEngine, count_turns, ramble
 from tailcut.types import FinishReason, GenerateRequest, SamplingParams, new_request_id
 from tailcut.vtime import run_virtual
 

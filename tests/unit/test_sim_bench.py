@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from tailcut.app.cli import app
 from tailcut.bench.oracle import bound_s, first_finishers, oracle_s, simulate
 from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, run_sim_bench
 from tailcut.bench.workloads import Trajectory, TurnSpec, get_workload
-from tailcut.cli import app
 from tailcut.config import SimEngineConfig
 from tailcut.trace.events import TERMINAL_EVENTS, read_trace
 

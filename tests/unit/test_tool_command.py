@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tailcut.cli import app
+from tailcut.app.cli import app
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from fakes.trace_script import Req, write_step
-from tailcut.cli import app
+from tailcut.app.cli import app
 from tailcut.trace.load import load_run
 from tailcut.trace.perfetto import to_chrome_trace, write_perfetto
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from fakes.timed_engine import TimedEngine
 from fakes.trace_script import Req, write_step
 from fakes.turns_rollout import TurnsRollout
-from tailcut.cli import app
+from tailcut.app.cli import app
 from tailcut.rollout.cutoff import TargetCount
 from tailcut.rollout.scheduler import run_step
 from tailcut.trace.events import Tracer

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from tailcut.app.train_setup import arith_rows, load_rows, parquet_rows
+from tailcut.data import arith
 from tailcut.data.arith import make_row, write_dataset
 from tailcut.data.verl import read_rows
-from tailcut.models import arith
-from tailcut.reward.registry import RewardError
-from tailcut.train.build import RewardFn, arith_rows, load_rows, parquet_rows
+from tailcut.reward.registry import RewardError, RewardFn
 from tailcut.train.config import DataConfig, load_train_config
 from tailcut.types import Sample
 

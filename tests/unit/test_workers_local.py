@@ -13,7 +13,6 @@ from tailcut.rollout.scheduler import StepFailed, StepOptions
 from tailcut.rollout.workers import (
     LocalWorkers,
     SharedRecipe,
-    StepAware,
     plan_for_policy,
     split_at_groups,
     split_offsets,
@@ -125,29 +124,23 @@ def test_plan_for_policy_runs_one_policy_over_the_step():
 
 
 class _Recorder:
-    """A rollout fn that records the step and global index it was told (StepAware)."""
+    """A rollout fn that records the index, group and seed of every sample it runs."""
 
     def __init__(self) -> None:
-        self.step, self.offset, self.seen = -1, -1, []
-
-    def set_step(self, step: int, index_offset: int = 0) -> None:
-        self.step, self.offset = step, index_offset
+        self.seen: list[tuple[int, int, int | None]] = []
 
     async def __call__(self, sample, engine, tracer):
-        self.seen.append((self.step, self.offset + sample.index, sample.group))
+        self.seen.append((sample.index, sample.group, sample.seed))
         sample.finish_reason = FinishReason.STOP
 
 
-def test_workers_tell_a_step_aware_rollout_its_global_indices():
-    rollouts: dict[int, _Recorder] = {}
-
-    def make(rank: int) -> _Recorder:
-        return rollouts.setdefault(rank, _Recorder())
+def test_workers_keep_the_global_indices_and_seeds_the_caller_gave():
+    recorder = _Recorder()
 
     async def main():
         engine = SimEngine(ENGINE)
-        pool = LocalWorkers(CutoffConfig(policy="wait-all"), SharedRecipe(engine, make), 3)
-        samples = [Sample(index=i, group=i // 2) for i in range(12)]
+        pool = LocalWorkers(CutoffConfig(policy="wait-all"), SharedRecipe(engine, recorder), 3)
+        samples = [Sample(index=i, group=i // 2, seed=100 + i) for i in range(12)]
         plan = plan_for_policy(WaitAll(12, 2), [s.group for s in samples], 3)
         try:
             return plan, await pool.run_step(5, plan, samples)
@@ -157,8 +150,7 @@ def test_workers_tell_a_step_aware_rollout_its_global_indices():
 
     plan, res = run_virtual(main())
     assert plan.offsets == [0, 4, 8, 12]
-    seen = sorted(x for r in rollouts.values() for x in r.seen)
-    assert seen == [(5, i, i // 2) for i in range(12)]
+    assert sorted(recorder.seen) == [(i, i // 2, 100 + i) for i in range(12)]
     assert res.kept == list(range(12)) and [s.index for s in res.samples] == list(range(12))
 
 
@@ -180,32 +172,14 @@ def test_single_worker_merge_keeps_the_cut_reason_and_stats():
     assert res.engine_stats.aborted >= 1
 
 
-def test_the_trainers_seeded_rollout_seeds_by_global_index():
-    import asyncio
+def test_a_samples_seed_follows_its_index_in_the_whole_step():
+    from tailcut.rollout.seeds import TRAIN_STREAM, mix, seed_samples
 
-    from tailcut.train.seeding import SeededRollout, mix
-    from tailcut.types import GenerateRequest, GenerateResult, new_request_id
-
-    seeds: list[int | None] = []
-
-    class Capture:
-        name = "capture"
-
-        async def generate(self, request: GenerateRequest) -> GenerateResult:
-            seeds.append(request.sampling.seed)
-            return GenerateResult(request.request_id, [], FinishReason.STOP)
-
-    async def inner(sample, engine, tracer):
-        await engine.generate(GenerateRequest(new_request_id(), [1]))
-
-    seeded = SeededRollout(inner, seed=3, stream=0)
-    assert isinstance(seeded, StepAware)
-    seeded.set_step(4, index_offset=8)
-    asyncio.run(seeded(Sample(index=1), Capture(), None))  # type: ignore[arg-type]
-    seeded.set_step(4)
-    asyncio.run(seeded(Sample(index=9), Capture(), None))  # type: ignore[arg-type]
-    # Sample 1 of the worker holding 8.. is seeded as global sample 9 of one worker.
-    assert seeds[0] == seeds[1] == mix(mix(3, 0, 4, 9), 1)
+    step = [Sample(index=i) for i in range(12)]
+    seed_samples(step, 3, TRAIN_STREAM, 4)
+    # However the step is split over workers, sample 9 is seeded as sample 9 of the step.
+    assert step[9].seed == mix(3, 0, 4, 9)
+    assert len({s.seed for s in step}) == 12
 
 
 class _Interrupt(BaseException):
@@ -219,7 +193,7 @@ def test_an_interrupt_in_a_worker_is_not_a_worker_failure():
 
     async def main():
         cfg = CutoffConfig(policy="wait-all", tolerate_worker_loss=True)
-        pool = LocalWorkers(cfg, SharedRecipe(SimEngine(ENGINE), lambda r: Interrupting()), 2)
+        pool = LocalWorkers(cfg, SharedRecipe(SimEngine(ENGINE), Interrupting()), 2)
         samples = [Sample(index=i, group=i) for i in range(4)]
         return await pool.run_step(0, plan_for_policy(WaitAll(4), [0, 1, 2, 3], 2), samples)
 
@@ -245,7 +219,7 @@ def test_the_step_options_reach_every_worker_step(gc_pause: bool):
     async def main():
         pool = LocalWorkers(
             CutoffConfig(policy="wait-all"),
-            SharedRecipe(SimEngine(ENGINE), lambda r: Watching()),
+            SharedRecipe(SimEngine(ENGINE), Watching()),
             2,
             options=StepOptions(abort_deadline_s=1.0, gc_pause=gc_pause),
         )

@@ -48,12 +48,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tailcut.types import Sample, Status
+from tailcut.types import FINISHED, Sample, Status
 
 AbortedMode = Literal["drop", "mask", "partial"]
 ABORTED_MODES: tuple[str, ...] = ("drop", "mask", "partial")
-
-FINISHED: frozenset[Status] = frozenset({Status.COMPLETED, Status.TRUNCATED})
 
 
 class BatchError(ValueError):
@@ -210,6 +208,17 @@ def drop_rows(plan: RowPlan, keep: Sequence[bool]) -> RowPlan:
         valid.append(ok)
     counts = replace(plan.counts, real=plan.counts.real - dropped, dropped_small_group=dropped)
     return RowPlan(rows, valid, plan.deferred, counts)
+
+
+def keep_rows(
+    plan: RowPlan, advantages: Sequence[float], keep: Sequence[bool]
+) -> tuple[RowPlan, list[float]]:
+    """The plan and its advantages without the real rows whose ``keep`` is False (the
+    advantages' verdict on small groups, ``algo.small_group=drop``); masked rows stay."""
+    kept = [k or not v for k, v in zip(keep, plan.valid, strict=True)]
+    if all(kept):
+        return plan, list(advantages)
+    return drop_rows(plan, kept), [a for a, k in zip(advantages, kept, strict=True) if k]
 
 
 def _widths(

@@ -1,4 +1,6 @@
-"""Per-step metrics: the three training-reward estimators, their audited bias, rollout figures.
+"""Per-step metrics: the three training-reward estimators, their audited bias, rollout figures,
+the batch, the partial-rollout buffer, timing shares and validation. Every metric dictionary
+the trainer logs is built here.
 
 Pure and torch-free. Why three reward estimators: a cut step has no reward for its aborted
 samples, and those are not a random subset (they are the slow, long, often hard ones).
@@ -18,13 +20,13 @@ kept, the rest treated as aborted) and reports ``estimator − truth`` for each 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tailcut.types import Sample, Status
-
-FINISHED = (Status.COMPLETED, Status.TRUNCATED)
+from tailcut.algo.advantage import AdvantageResult
+from tailcut.algo.batch import TrainBatch
+from tailcut.types import FINISHED, Sample, Status
 
 
 class StepLike(Protocol):
@@ -162,3 +164,66 @@ def speedup_estimate(samples: Sequence[Sample], n_keep: int, wait_all_s: float) 
         return 1.0
     cut_at = ends[min(n_keep, len(ends)) - 1] - min(starts)
     return wait_all_s / cut_at if cut_at > 0 else 1.0
+
+
+def batch_metrics(batch: TrainBatch, adv: AdvantageResult) -> dict[str, float]:
+    """What became of the step's samples in the batch, and the advantages' group figures."""
+    c = batch.counts
+    return {
+        "batch/rows": float(batch.size),
+        "batch/real_rows": float(c.real),
+        "batch/masked_rows": float(c.masked),
+        "batch/dropped_aborted": float(c.dropped_aborted),
+        "batch/deferred_partial": float(c.deferred_partial),
+        "batch/failed": float(c.failed),
+        "batch/surplus": float(c.surplus),
+        "batch/dropped_small_group": float(c.dropped_small_group),
+        "batch/loss_tokens": float(batch.n_loss_tokens),
+        "adv/groups": float(adv.n_groups),
+        "adv/small_groups": float(adv.n_small_groups),
+        "adv/zero_std_groups": float(adv.n_zero_std_groups),
+        "adv/mean_group_size": adv.mean_group_size,
+    }
+
+
+def partial_metrics(
+    resumed: int, expired: int, expired_tokens: int, buffered: int, dropped_total: int
+) -> dict[str, float]:
+    """The partial-rollout buffer over one step (``cutoff.aborted=partial``)."""
+    return {
+        "partial/resumed": float(resumed),
+        "partial/expired": float(expired),
+        "partial/expired_tokens": float(expired_tokens),
+        "partial/buffered": float(buffered),
+        "partial/dropped_total": float(dropped_total),
+    }
+
+
+def timing_metrics(phases: Mapping[str, float], reward_s: float) -> dict[str, float]:
+    """Seconds per phase of a step (``phases``, in order: rollout, train, sync), the step's
+    total, the time in reward functions, and each one's share of the step."""
+    step_s = math.fsum(phases.values())
+    out = {f"timing/{name}_s": s for name, s in phases.items()}
+    out["timing/reward_s"] = reward_s
+    out["timing/step_s"] = step_s
+    for name, s in [*phases.items(), ("reward", reward_s)]:
+        out[f"timing/share_{name}"] = s / step_s if step_s > 0 else 0.0
+    return out
+
+
+def validation_metrics(step: StepLike, seconds: float) -> dict[str, float]:
+    """One uncut validation step: mean reward (a sample with no reward counts 0)."""
+    rewards = [
+        float(s.reward) if s.status in FINISHED and s.reward is not None else 0.0
+        for s in step.samples
+    ]
+    status = [s.status for s in step.samples]
+    return {
+        "val/reward": _mean(rewards),
+        "val/n": float(len(rewards)),
+        "val/aborted": float(status.count(Status.ABORTED)),
+        "val/failed": float(status.count(Status.FAILED)),
+        "val/truncated": float(status.count(Status.TRUNCATED)),
+        "val/cut": float(step.cut_time_s is not None),
+        "timing/val_s": seconds,
+    }

@@ -116,7 +116,7 @@ def _assembler(
 
 def run_size(rows: int, prompt: int, response: int, repeat: int, seed: int = 0) -> SizeResult:
     """Every mode on one step of ``rows`` samples (one measurement run)."""
-    from tailcut.train.actor import to_tensors
+    from tailcut.algo.tensors import to_tensors
 
     samples = make_step(rows, prompt, response, seed)
     kept = [s.index for s in samples if s.status is Status.COMPLETED]

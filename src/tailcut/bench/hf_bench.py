@@ -19,7 +19,7 @@ It also measures **abort-to-free**: ``concurrency`` requests decoding, then one
 ``abort(ids)`` (and, separately, cancelling the awaiting tasks); the time until the call
 returns with every KV slot free, plus the tokens generated after the abort (must be 0).
 
-``model`` is a directory, ``builtin``, ``random-tiny`` (CPU) or ``random-0.5b`` (a
+``model`` is a directory (``tailcut bench`` resolves ``builtin`` to one), ``random-tiny`` (CPU) or ``random-0.5b`` (a
 randomly initialised Qwen2 of ~0.5B parameters; bf16 on CUDA).
 """
 
@@ -71,14 +71,14 @@ def make_workload(
     return Workload(prompts, budgets, eos)
 
 
-def builtin_prompts(requests: int, seed: int) -> list[list[int]]:
-    """Arithmetic word problems rendered with the built-in model's chat template and tools."""
+def arith_prompts(model_dir: str, requests: int, seed: int) -> list[list[int]]:
+    """Arithmetic word problems rendered with the model's chat template and the calculator
+    tool (the task the built-in model was trained on)."""
     from transformers import AutoTokenizer
 
-    from tailcut.models import arith
-    from tailcut.models.command import resolve_model
+    from tailcut.data import arith
 
-    tokenizer: Any = AutoTokenizer.from_pretrained(resolve_model("builtin"))
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     texts = [
         tokenizer.apply_chat_template(
             arith.prompt_messages(p),
@@ -221,6 +221,7 @@ def run_hf_bench(
     abort_trials: int = 5,
     threads: int | None = None,
     engine_options: dict[str, Any] | None = None,
+    arith_task: bool = False,
     **sim_options: Any,
 ) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON with ``json_out``) and return the figures.
@@ -230,7 +231,9 @@ def run_hf_bench(
     ``engine_options`` overrides fields of the engine's ``HFEngineConfig`` (e.g.
     ``{"cuda_graphs": False}``). On CUDA the decode pass's graphs are captured after the
     warm-up, outside the timed runs (``graphs.capture_s`` reports how long that took).
-    ``sim_options`` takes the options of ``tailcut bench`` that only the simulated
+    ``model`` is a model directory or a ``random-*`` name (``tailcut bench`` resolves
+    ``builtin``); ``arith_task`` (the built-in model) draws the ``lengths="eos"`` prompts
+    from its arithmetic task. ``sim_options`` takes the options of ``tailcut bench`` that only the simulated
     benchmark uses (workload, policies, ...); they do not apply here and are ignored.
     """
     if lengths not in ("budget", "eos"):
@@ -238,7 +241,7 @@ def run_hf_bench(
     requests = 256 if requests is None else requests
     import torch
 
-    from tailcut.engine.hf_load import load_causal_lm
+    from tailcut.engine.hf.load import load_causal_lm
 
     if threads:
         torch.set_num_threads(threads)
@@ -246,8 +249,8 @@ def run_hf_bench(
     param = next(lm.parameters())
     vocab = int(lm.config.get_text_config().vocab_size)
     wl = make_workload(vocab, requests, max_new_tokens, seed=seed, eos=lengths == "eos")
-    if model == "builtin" and lengths == "eos":  # the task the model was trained on
-        wl = Workload(builtin_prompts(requests, seed), wl.budgets, True)
+    if arith_task and lengths == "eos":  # the task the model was trained on
+        wl = Workload(arith_prompts(model, requests, seed), wl.budgets, True)
     figures = asyncio.run(
         _measure(lm, wl, concurrency, repeats, abort_trials, engine_options or {})
     )
@@ -276,7 +279,7 @@ async def _measure(
 ) -> dict[str, Any]:
     from tailcut.config import HFEngineConfig
     from tailcut.engine.hf import HFEngine
-    from tailcut.engine.hf_load import eos_token_ids
+    from tailcut.engine.hf.load import eos_token_ids
 
     eos = eos_token_ids(lm)
     longest_prompt = max(len(p) for p in wl.prompts)

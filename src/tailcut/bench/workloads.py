@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,11 +57,6 @@ class Trajectory:
     @property
     def tool_s(self) -> float:
         return sum(t.tool_s for t in self.turns)
-
-    @property
-    def max_context(self) -> int:
-        """Prompt plus every generated and tool token: the largest KV reservation."""
-        return self.prompt_tokens + sum(t.output_tokens + t.tool_tokens for t in self.turns)
 
 
 class Workload(Protocol):
@@ -391,14 +386,3 @@ def make_samples(trajectories: Sequence[Trajectory]) -> list[Sample]:
         )
         for i, t in enumerate(trajectories)
     ]
-
-
-def iter_durations_summary(durations: Sequence[float]) -> Iterator[tuple[str, float]]:
-    """(label, value) pairs: mean, P50, P90, P99, max of ``durations`` (seconds)."""
-    if not durations:
-        return
-    arr = np.asarray(durations, dtype=float)
-    yield "mean_s", float(arr.mean())
-    for q in (50, 90, 99):
-        yield f"p{q}_s", float(np.percentile(arr, q))
-    yield "max_s", float(arr.max())

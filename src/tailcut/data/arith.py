@@ -1,40 +1,254 @@
-"""``tailcut data arith``: the built-in model's arithmetic task as verl-format parquet.
+"""The synthetic arithmetic word-problem task of the built-in model.
 
-Rows follow verl's multi-turn-with-tool layout: ``data_source`` ``tailcut/arith``,
-``agent_name`` ``tool_agent``, the same system + user ``prompt`` the built-in model was
-fine-tuned on, ``reward_model.ground_truth`` (the answer), and ``extra_info`` with the
-split, index, question, a reference solution, the number of steps, and
-``tools_kwargs.calculator``. A ``tools.yaml`` (verl's tool-config shape) next to the
-parquet files names the ``calculator`` tool. The reward registry resolves ``tailcut/arith``
-to ``reward/arith.py``: the integer after the last ``####`` against the ground truth
-(rules there). ``tailcut train`` with ``data.task=arith`` builds its rows with
-:func:`make_row` too, so the trainer and the files score alike.
+A problem is a start value and a chain of steps, one line each, each step opened by its
+ordinal::
+
+    A jar holds 12 shells.
+    First add 7.
+    Second double it.
+    How many shells are in the jar now?
+
+The solution is a multi-turn conversation: for each step the assistant repeats the step's
+line (its brief reasoning) and calls the ``calculator`` tool with one binary expression on
+the running value; the tool answers with the new value; after the last step the assistant
+answers ``#### <value>``. The ordinal right before each step's verb makes the line easy to
+find, which a model of a few hundred thousand parameters learns within its short training.
+The number of steps is heavy-tailed (a power law
+over 1..``max_steps``), so most trajectories are short and a few are long: the long tail a
+rollout step has to cut. Everything here is pure Python and seeded, so the same seed gives
+the same problems on every machine.
+
+As verl-format rows (``tailcut data arith`` writes them, ``data.task=arith`` trains on them):
+``data_source`` ``tailcut/arith``, ``agent_name`` ``tool_agent``, the same system + user
+``prompt`` the built-in model was fine-tuned on, ``reward_model.ground_truth`` (the answer),
+and ``extra_info`` with the split, index, question, a reference solution, the number of
+steps, and ``tools_kwargs.calculator``. A ``tools.yaml`` (verl's tool-config shape) next to
+the parquet files names the ``calculator`` tool. The reward registry resolves
+``tailcut/arith`` to ``reward/arith.py``: the integer after the last ``####`` against the
+ground truth (rules there).
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from tailcut.chat.parser import format_tool_call
+from tailcut.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
+from tailcut.tools.calculator import TOOL_NAME
+
+DATA_SOURCE = "tailcut/arith"
+SYSTEM_PROMPT = (
+    "Solve the problem with the calculator, one step at a time. End with #### and the answer."
+)
+
+ORDINALS = (
+    "First", "Second", "Third", "Fourth", "Fifth", "Sixth",
+    "Seventh", "Eighth", "Ninth", "Tenth", "Eleventh", "Twelfth",
+)  # fmt: skip
+CONTAINERS = ("box", "bag", "jar", "basket", "tin")
+ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "pens", "shells", "stamps")
+MAX_VALUE = 999
+"""Values stay below this so the numbers the model copies stay short."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    sentence: str
+    """The line of the problem, e.g. ``Second add 7.``"""
+    op: str
+    """``+``, ``-``, ``*`` or ``/``."""
+    operand: int
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    container: str
+    item: str
+    start: int
+    steps: tuple[Step, ...]
+
+    @property
+    def values(self) -> list[int]:
+        """The running value after the start and after each step."""
+        out = [self.start]
+        for step in self.steps:
+            out.append(apply(out[-1], step.op, step.operand))
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values[-1]
+
+    @property
+    def question(self) -> str:
+        lines = [f"A {self.container} holds {self.start} {self.item}."]
+        lines += [s.sentence for s in self.steps]
+        lines.append(f"How many {self.item} are in the {self.container} now?")
+        return "\n".join(lines)
+
+
+def apply(value: int, op: str, operand: int) -> int:
+    if op == "+":
+        return value + operand
+    if op == "-":
+        return value - operand
+    if op == "*":
+        return value * operand
+    if op == "/":
+        if operand == 0 or value % operand:
+            raise ValueError(f"{value} / {operand} is not a whole number")
+        return value // operand
+    raise ValueError(f"unknown operation {op!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskConfig:
+    """How problems are drawn (part of the model's build recipe)."""
+
+    max_steps: int = 10
+    """Most steps (tool calls) a problem has (at most 12, one per ordinal)."""
+    tail_alpha: float = 1.1
+    """P(k steps) is proportional to k**-tail_alpha: a larger alpha, a lighter tail."""
+    max_start: int = 20
+    max_operand: int = 9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_steps <= len(ORDINALS):
+            raise ValueError(f"max_steps must be in 1..{len(ORDINALS)}, got {self.max_steps}")
+        if not 0.0 <= self.tail_alpha <= 10.0:
+            raise ValueError(f"tail_alpha must be in 0..10, got {self.tail_alpha}")
+        if not 2 <= self.max_start <= 500 or not 2 <= self.max_operand <= 500:
+            raise ValueError("max_start and max_operand must be in 2..500")
+
+
+def sample_num_steps(rng: random.Random, cfg: TaskConfig) -> int:
+    ks = range(1, cfg.max_steps + 1)
+    return rng.choices(ks, weights=[k**-cfg.tail_alpha for k in ks])[0]
+
+
+def _step(rng: random.Random, value: int, ordinal: str, cfg: TaskConfig) -> Step:
+    """A random step on ``value``, its line opened by ``ordinal``."""
+    kinds = ["add", "add"] if value < MAX_VALUE else []
+    if value >= 2:
+        kinds += ["sub", "sub"]
+    if 0 < value * 3 <= MAX_VALUE:
+        kinds.append("mul")
+    if value >= 2 and value % 2 == 0:
+        kinds.append("half")
+    kind = rng.choice(kinds)
+    if kind == "add":
+        n = rng.randint(1, min(cfg.max_operand, MAX_VALUE - value))
+        return Step(f"{ordinal} add {n}.", "+", n)
+    if kind == "sub":
+        n = rng.randint(1, min(cfg.max_operand, value - 1))
+        return Step(f"{ordinal} remove {n}.", "-", n)
+    if kind == "mul":
+        factor = rng.choice((2, 3)) if value * 3 <= MAX_VALUE else 2
+        word = "double" if factor == 2 else "triple"
+        return Step(f"{ordinal} {word} it.", "*", factor)
+    return Step(f"{ordinal} halve it.", "/", 2)
+
+
+def generate_problem(
+    rng: random.Random, cfg: TaskConfig | None = None, n_steps: int | None = None
+) -> Problem:
+    """One problem; ``n_steps`` fixes the number of steps (else drawn from the tail)."""
+    cfg = cfg or TaskConfig()
+    container = rng.choice(CONTAINERS)
+    item = rng.choice(ITEMS)
+    start = rng.randint(2, cfg.max_start)
+    k = n_steps if n_steps is not None else sample_num_steps(rng, cfg)
+    steps: list[Step] = []
+    value = start
+    for i in range(k):
+        step = _step(rng, value, ORDINALS[i], cfg)
+        steps.append(step)
+        value = apply(value, step.op, step.operand)
+    return Problem(container, item, start, tuple(steps))
+
+
+def generate_problems(seed: int, n: int, cfg: TaskConfig | None = None) -> list[Problem]:
+    rng = random.Random(seed)
+    return [generate_problem(rng, cfg) for _ in range(n)]
+
+
+def tools() -> list[dict[str, Any]]:
+    """The tool schemas the prompts are rendered with."""
+    return [CALCULATOR_SCHEMA]
+
+
+def prompt_messages(problem: Problem) -> list[dict[str, Any]]:
+    """The prompt (system + user) given to the policy."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": problem.question},
+    ]
+
+
+def expression(value: int, step: Step) -> str:
+    return f"{value} {step.op} {step.operand}"
+
+
+def tool_call_text(expr: str) -> str:
+    """The hermes-style tool call the assistant writes (what Qwen2.5's template renders)."""
+    return format_tool_call(TOOL_NAME, {"expression": expr})
+
+
+ANSWER_STYLES = ("strict", "plain")
+"""How a solution states its answer: ``#### N`` (what the reward accepts) or in words."""
+
+
+def answer_text(value: int, style: str = "strict") -> str:
+    if style == "strict":
+        return f"#### {value}"
+    if style == "plain":
+        return f"The answer is {value}."
+    raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+
+
+def solution_messages(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
+    """The reference solution: one assistant + tool message pair per step, then the answer
+    (``#### N``, or ``The answer is N.`` with ``style="plain"``).
+
+    Assistant messages carry their tool call as text, exactly as the model writes it, so
+    rendering them with the chat template gives the token stream the model is trained on.
+    """
+    out: list[dict[str, Any]] = []
+    values = problem.values
+    for i, step in enumerate(problem.steps):
+        out.append(
+            {
+                "role": "assistant",
+                "content": f"{step.sentence}\n{tool_call_text(expression(values[i], step))}",
+            }
+        )
+        out.append({"role": "tool", "content": str(values[i + 1])})
+    out.append({"role": "assistant", "content": answer_text(problem.answer, style)})
+    return out
+
+
+def conversation(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
+    return prompt_messages(problem) + solution_messages(problem, style)
+
+
+# -- verl-format rows ----------------------------------------------------------------
 
 SPLITS = ("train", "test")
 AGENT_NAME = "tool_agent"
 
 
-def make_row(problem: Any, split: str, index: int) -> dict[str, Any]:
+def make_row(problem: Problem, split: str, index: int) -> dict[str, Any]:
     """One verl-format row for an arithmetic problem."""
-    from tailcut.models import arith
-
     values = problem.values
-    steps = [
-        f"{arith.expression(values[i], s)} = {values[i + 1]}" for i, s in enumerate(problem.steps)
-    ]
+    steps = [f"{expression(values[i], s)} = {values[i + 1]}" for i, s in enumerate(problem.steps)]
     answer = str(problem.answer)
     return {
-        "data_source": arith.DATA_SOURCE,
+        "data_source": DATA_SOURCE,
         "agent_name": AGENT_NAME,
-        "prompt": arith.prompt_messages(problem),
+        "prompt": prompt_messages(problem),
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {
@@ -44,7 +258,7 @@ def make_row(problem: Any, split: str, index: int) -> dict[str, Any]:
             "answer": "\n".join([*steps, f"#### {answer}"]),
             "num_steps": len(problem.steps),
             "need_tools_kwargs": True,
-            "tools_kwargs": {arith.TOOL_NAME: {"create_kwargs": {"ground_truth": answer}}},
+            "tools_kwargs": {TOOL_NAME: {"create_kwargs": {"ground_truth": answer}}},
             "interaction_kwargs": {"query": problem.question, "ground_truth": answer},
         },
     }
@@ -52,14 +266,12 @@ def make_row(problem: Any, split: str, index: int) -> dict[str, Any]:
 
 def tool_config() -> dict[str, Any]:
     """verl's tool-config YAML content for the calculator."""
-    from tailcut.tools.calculator import SCHEMA
-
     return {
         "tools": [
             {
                 "class_name": "tailcut.tools.calculator.CalculatorTool",
                 "config": {"type": "native", "timeout": 5},
-                "tool_schema": SCHEMA,
+                "tool_schema": CALCULATOR_SCHEMA,
             }
         ]
     }
@@ -77,12 +289,11 @@ def write_dataset(
     import yaml
 
     from tailcut.data.verl import write_rows
-    from tailcut.models import arith
 
     out = Path(out)
     counts = {"train": n_train, "test": n_test}
     for split in SPLITS:
-        problems = arith.generate_problems(split_seed(seed, split), counts[split], task)
+        problems = generate_problems(split_seed(seed, split), counts[split], task)
         write_rows(
             [make_row(p, split, i) for i, p in enumerate(problems)], out / f"{split}.parquet"
         )
@@ -90,33 +301,3 @@ def write_dataset(
         yaml.safe_dump(tool_config(), sort_keys=False), encoding="utf-8"
     )
     return counts
-
-
-def arith_command(
-    out: Annotated[
-        Path, typer.Option(help="Folder for train.parquet, test.parquet and tools.yaml.")
-    ] = Path("data/arith"),
-    n: Annotated[int, typer.Option(min=1, max=10_000_000, help="Training rows.")] = 5000,
-    n_test: Annotated[int, typer.Option(min=1, max=1_000_000, help="Test rows.")] = 500,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the problem generator.")] = 0,
-) -> None:
-    """Write the built-in model's arithmetic task (calculator tool) as verl-format parquet."""
-    from collections import Counter
-
-    from rich.console import Console
-
-    from tailcut.data.verl import DataError
-    from tailcut.models import arith
-
-    try:
-        counts = write_dataset(out, n, n_test, seed)
-    except DataError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from None
-    console = Console()
-    for split, rows in counts.items():
-        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
-    console.print(f"wrote {out / 'tools.yaml'} (tool: {arith.TOOL_NAME})")
-    steps = Counter(len(p.steps) for p in arith.generate_problems(split_seed(seed, "train"), n))
-    shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
-    console.print(f"steps per problem (train): {shares}", highlight=False)

@@ -85,7 +85,9 @@ class PromptRow:
         return {name: dict(kw.get("create_kwargs") or {}) for name, kw in self.tools_kwargs.items()}
 
     def as_data(self) -> dict[str, object]:
-        """The row as ``Sample.data``."""
+        """The row as ``Sample.data``: the fields above, and verl's own columns (``prompt``,
+        ``reward_model``, ``extra_info``) that reward functions read. The one row → sample
+        conversion: rollouts and training both use it."""
         return {
             "index": self.index,
             "messages": self.messages,
@@ -95,6 +97,12 @@ class PromptRow:
             "agent_name": self.agent_name,
             "tools_kwargs": self.tools_kwargs,
             "interaction_kwargs": self.interaction_kwargs,
+            "prompt": self.messages,
+            "reward_model": {
+                "style": self.reward_style or "rule",
+                "ground_truth": self.ground_truth,
+            },
+            "extra_info": self.extra_info,
         }
 
 

@@ -127,7 +127,7 @@ def is_built(path: Path, recipe: ModelRecipe) -> bool:
 
 
 def _task(recipe: ModelRecipe) -> Any:
-    from tailcut.models.arith import TaskConfig
+    from tailcut.data.arith import TaskConfig
 
     return TaskConfig(max_steps=recipe.max_steps, tail_alpha=recipe.tail_alpha)
 
@@ -136,7 +136,7 @@ def _conversations(recipe: ModelRecipe, problems: list[Any], seed: int) -> list[
     """Rendered SFT conversations; each ends ``#### N`` with its topic's ``strict_share``."""
     import random
 
-    from tailcut.models import arith
+    from tailcut.data import arith
     from tailcut.models.tokenizer import chat_renderer
 
     render = chat_renderer()
@@ -163,7 +163,7 @@ def _deterministic(seed: int) -> None:
 def _build_tokenizer(recipe: ModelRecipe, out: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from tailcut.models import arith
+    from tailcut.data import arith
     from tailcut.models.tokenizer import save_tokenizer, train_tokenizer
 
     problems = arith.generate_problems(recipe.seed + 1, recipe.tokenizer_problems, _task(recipe))
@@ -219,7 +219,7 @@ Progress = Callable[[str, float], None]
 
 
 def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) -> list[float]:
-    from tailcut.models import arith
+    from tailcut.data import arith
     from tailcut.models.sft import TrainConfig, encode_conversations, train
 
     n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
@@ -244,7 +244,7 @@ def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) 
 
 def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Build the model into ``out`` (replaced atomically); return the build info."""
-    from tailcut.models import arith
+    from tailcut.data import arith
     from tailcut.models.evaluate import greedy_accuracy
 
     report = progress or (lambda _phase, _frac: None)

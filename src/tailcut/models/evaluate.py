@@ -17,7 +17,7 @@ from typing import Any
 
 from tailcut.chat.parser import HermesParser, ToolCallError
 from tailcut.chat.template import IM_END
-from tailcut.models import arith
+from tailcut.data import arith
 from tailcut.tools.calculator import CalculatorError, evaluate, format_number
 
 _NUMBER = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"

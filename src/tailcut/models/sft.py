@@ -71,10 +71,6 @@ def encode_conversations(tokenizer: Any, texts: Sequence[str]) -> list[Encoded]:
     return out
 
 
-def encode_conversation(tokenizer: Any, text: str) -> Encoded:
-    return encode_conversations(tokenizer, [text])[0]
-
-
 def _mask(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> Encoded:
     """Raises ``ValueError`` if a token straddles a span boundary (the mask would be ambiguous)."""
     spans = assistant_spans(text)

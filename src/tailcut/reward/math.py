@@ -166,8 +166,3 @@ class MathVerifier:
         self._closed = True
         for worker in list(self._all):
             await self._discard(worker)
-
-
-async def math_verify_score(verifier: MathVerifier, text: str, ground_truth: str) -> MathVerdict:
-    """Score a response against a ground truth (``\\boxed{}`` added when missing)."""
-    return await verifier.verify(str(ground_truth), text)

@@ -11,7 +11,8 @@ data source), and the caller marks the sample FAILED with that error.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -209,3 +210,45 @@ def sample_reward_fn(
         return float(out.score)
 
     return reward_fn
+
+
+class RewardFn:
+    """The agent loop's trajectory reward, timed (``seconds``, for the trainer's timing shares).
+
+    ``answer``: the registry's function for the row's ``data_source`` (or the one called
+    ``name``), scored against ``reward_model.ground_truth``; its metrics go into
+    ``sample.reward_info``. ``tool``: the sum of what the tools' ``calc_reward`` returned.
+    """
+
+    def __init__(
+        self,
+        kind: str = "answer",
+        *,
+        name: str | None = None,
+        registry: RewardRegistry | None = None,
+    ) -> None:
+        self.kind = kind
+        self.registry = registry if registry is not None else default_registry(math_workers=1)
+        self._score = sample_reward_fn(self.registry, name)
+        self.seconds = 0.0
+
+    async def __call__(self, sample: Sample, tool_rewards: Mapping[str, float]) -> float:
+        t0 = time.perf_counter()
+        try:
+            if self.kind == "tool":
+                return float(sum(tool_rewards.values()))
+            return await self._score(sample, tool_rewards)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def unscorable(self, data_sources: Iterable[str]) -> str | None:
+        """Why some of ``data_sources`` has no reward function (None: all have one)."""
+        for source in sorted(set(data_sources)):
+            try:
+                self.registry.resolve(None, source)
+            except RewardError as exc:
+                return str(exc)
+        return None
+
+    async def aclose(self) -> None:
+        await self.registry.aclose()

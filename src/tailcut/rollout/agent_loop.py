@@ -36,6 +36,7 @@ from tailcut.chat.template import ChatTokenizer, stop_token_ids
 from tailcut.chat.tokenize import IncrementalChat, append_forced, append_sampled
 from tailcut.config import AgentLoopConfig
 from tailcut.engine.base import Engine, EngineError
+from tailcut.rollout.seeds import call_seed
 from tailcut.tools.base import ToolResult, ToolSession, ToolSet
 from tailcut.trace.events import EventKind, Tracer
 from tailcut.types import (
@@ -188,6 +189,8 @@ class _Trajectory:
         self.chat = chat
         self.session = session
         self.clock = asyncio.get_running_loop().time
+        self.calls = 0
+        """Engine calls of this launch so far (each gets its own seed)."""
 
     async def turns(self) -> FinishReason:
         for index in range(self.cfg.max_turns):
@@ -258,11 +261,13 @@ class _Trajectory:
 
     async def _generate(self, turn: Turn, budget: int) -> GenerateResult:
         sample = self.sample
+        self.calls += 1
         sampling = SamplingParams(
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,
             max_new_tokens=min(self.cfg.max_new_tokens, budget),
             stop_token_ids=tuple(self.stop_ids),
+            seed=None if sample.seed is None else call_seed(sample.seed, self.calls),
         )
         request = GenerateRequest(
             turn.request_id, sample.prompt_ids + sample.response_ids, sampling

@@ -28,13 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailcut.config import CutoffConfig
-from tailcut.types import Sample, Status
-
-USABLE = frozenset({Status.COMPLETED, Status.TRUNCATED})
+from tailcut.types import FINISHED, Sample, Status
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutcome:
+class StepFeedback:
     """What a policy learns from a finished step."""
 
     step_time_s: float
@@ -78,7 +76,7 @@ class CutoffPolicy(ABC):
         if self.cut:
             return False
         self.finished += 1
-        if status in USABLE:
+        if status in FINISHED:
             self.usable_order.append(index)
         if self.finished >= self.n_launch:
             return False  # nothing left to cut
@@ -98,8 +96,13 @@ class CutoffPolicy(ABC):
         """Indices (launch positions) of samples kept for training, in launch order."""
         return sorted(self.usable_order[: self.n_target])
 
-    def end(self, outcome: StepOutcome) -> None:
+    def end(self, outcome: StepFeedback) -> None:
         return None
+
+    def would_keep(self, samples: Sequence[Sample]) -> int:
+        """On an uncut (audit) step: how many samples this policy would have kept, had it
+        run. Used to replay the cut on the step's true rewards (``algo/metrics.audit_bias``)."""
+        return self.target_completion
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -118,6 +121,9 @@ class WaitAll(CutoffPolicy):
 
     def select(self, samples: Sequence[Sample]) -> list[int]:
         return sorted(self.usable_order)
+
+    def would_keep(self, samples: Sequence[Sample]) -> int:
+        return sum(s.status in FINISHED for s in samples)
 
 
 class TargetCount(CutoffPolicy):
@@ -171,7 +177,7 @@ class GroupQuota(CutoffPolicy):
         self.complete_groups: list[int] = []
 
     def on_done(self, index: int, group: int, status: Status, now: float) -> bool:
-        if not self.cut and status in USABLE:
+        if not self.cut and status in FINISHED:
             count = self.group_usable.get(group, 0) + 1
             self.group_usable[group] = count
             if count == self.group_size:
@@ -187,7 +193,7 @@ class GroupQuota(CutoffPolicy):
 
     def select(self, samples: Sequence[Sample]) -> list[int]:
         keep = set(self.complete_groups[: self.n_groups])
-        return [s.index for s in samples if s.group in keep and s.status in USABLE]
+        return [s.index for s in samples if s.group in keep and s.status in FINISHED]
 
 
 class Deadline(CutoffPolicy):
@@ -271,8 +277,21 @@ class Deadline(CutoffPolicy):
     def select(self, samples: Sequence[Sample]) -> list[int]:
         return sorted(self.usable_order)
 
-    def end(self, outcome: StepOutcome) -> None:
+    def end(self, outcome: StepFeedback) -> None:
         self.history.append(outcome.step_time_s)
+
+    def would_keep(self, samples: Sequence[Sample]) -> int:
+        """Those finished within the current deadline (at least ``min_done``); all finished
+        ones when there is no deadline yet."""
+        budget = self.budget_s()
+        if budget is None:
+            return sum(s.status in FINISHED for s in samples)
+        t0 = min((s.launched_at for s in samples if s.launched_at is not None), default=0.0)
+        on_time = sum(
+            1 for s in samples
+            if s.status in FINISHED and s.ended_at is not None and s.ended_at - t0 <= budget
+        )  # fmt: skip
+        return max(on_time, self.min_done)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history)}

@@ -13,7 +13,13 @@ Staleness: a trajectory first launched at step ``s0`` may be resumed at step ``s
 
 Group baselines: members of a trajectory's group that finished in the step where it was cut
 were trained then. Their rewards are kept here (``baseline_rewards``) so that the resumed
-trajectory's advantage is still measured against its own group.
+trajectory's advantage is still measured against its own group. A finished member's reward
+is kept whether or not its row was trained (``algo.small_group=drop`` may leave a lone
+member out of the batch): it is still a draw of the group's reward.
+
+The trainer meets the buffer twice a step, both times before the advantages: ``take`` when
+it launches the step, ``settle`` once the step's rows are planned (the deferred samples go
+in, the group baselines come out as one value).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tailcut.algo.batch import RowPlan
 from tailcut.types import Sample, Status
 
 
@@ -106,6 +113,21 @@ class PartialBuffer:
         live = {e.sample.group for e in keep} | {s.group for s in out.resumed}
         self.baselines = {g: r for g, r in self.baselines.items() if g in live}
         return out
+
+    def settle(self, step: int, rows: RowPlan) -> dict[int, list[float]]:
+        """The step's one exchange with the buffer, before its advantages: returns the
+        baselines of the rows' groups (rewards of members trained in earlier steps), then
+        keeps the step's deferred samples with their groups' finished rewards, and forgets
+        the groups that have nothing left in flight."""
+        groups = rows.groups
+        baselines = self.baseline_rewards(groups)
+        finished: dict[int, list[float]] = {}
+        for s, ok in zip(rows.samples, rows.valid, strict=True):
+            if ok and s.reward is not None:
+                finished.setdefault(s.group, []).append(float(s.reward))
+        self.add(rows.deferred, step, finished)
+        self.release(groups)
+        return baselines
 
     def baseline_rewards(self, groups: Iterable[int]) -> dict[int, list[float]]:
         """Earlier-trained members' rewards for ``groups`` (for the advantage)."""

@@ -26,10 +26,10 @@ from tailcut.rollout.scheduler import DEFAULT_STEP_OPTIONS, StepOptions, StepRes
 from tailcut.rollout.workers import (
     Coordinator,
     RolloutWorker,
-    StepPlan,
+    WorkerPlan,
     WorkerRecipe,
+    WorkerResult,
     Workers,
-    WorkerStep,
     merge,
 )
 from tailcut.types import Sample, Status
@@ -50,17 +50,14 @@ class _WorkerActor:
         policy: CutoffPolicy,
         coordinator: Any | None,
         options: StepOptions,
-        index_offset: int = 0,
-    ) -> WorkerStep:
+    ) -> WorkerResult:
         report = None
         if coordinator is not None:
 
-            def report(rank: int, index: int, group: int, status: Status) -> None:
-                coordinator.report.remote(rank, index, group, status)
+            def report(index: int, group: int, status: Status) -> None:
+                coordinator.report.remote(index, group, status)
 
-        return await self.worker.run_step(
-            step, samples, policy, report, options, index_offset=index_offset,
-        )  # fmt: skip
+        return await self.worker.run_step(step, samples, policy, report, options)
 
     async def cut(self, reason: str) -> None:
         self.worker.cut(reason)
@@ -81,8 +78,8 @@ class _CoordinatorActor:
     async def start(self) -> None:
         self.coord.start()
 
-    async def report(self, rank: int, index: int, group: int, status: Status) -> None:
-        self.coord.report(rank, index, group, status)
+    async def report(self, index: int, group: int, status: Status) -> None:
+        self.coord.report(index, group, status)
 
     async def worker_lost(self, rank: int) -> None:
         self.coord.worker_lost(rank)
@@ -125,8 +122,8 @@ class RayWorkers(Workers):
     async def start(self) -> None:
         await asyncio.gather(*(a.start.remote() for a in self.actors))
 
-    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
-        shares = self._check(plan, samples)
+    async def run_step(self, step: int, plan: WorkerPlan, samples: list[Sample]) -> StepResult:
+        shares = self._split(plan, samples)
         coord: Any = None
         if plan.coordinator_policy is not None:
             coord_cls = ray.remote(num_cpus=0)(_CoordinatorActor)
@@ -136,22 +133,15 @@ class RayWorkers(Workers):
             self._coordinators.append(coord)
             await coord.start.remote()
         refs = [
-            a.run_step.remote(
-                step,
-                shares[r],
-                plan.policies[r],
-                coord,
-                self.options,
-                plan.offsets[r],
-            )
+            a.run_step.remote(step, shares[r], plan.policies[r], coord, self.options)
             for r, a in enumerate(self.actors)
         ]
         if coord is not None:
             coord.watch.remote()
 
-        async def one(r: int, ref: Any) -> WorkerStep | BaseException:
+        async def one(r: int, ref: Any) -> WorkerResult | BaseException:
             try:
-                step_result: WorkerStep = await ref
+                step_result: WorkerResult = await ref
                 return step_result
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 if coord is not None:  # its samples count as failed for the global target

@@ -38,7 +38,7 @@ from tailcut.engine.base import (
     EngineStats,
     EngineView,
 )
-from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
+from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
 from tailcut.rollout.gc_pause import gc_paused
 from tailcut.rollout.state import is_terminal, transition
 from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
@@ -53,7 +53,7 @@ class StepFailed(RuntimeError):
     """The step could not finish (engine died, aborts not confirmed)."""
 
 
-class StepControl:
+class CutHandle:
     """A handle for a driver outside the step (a global cut coordinator).
 
     ``on_sample_done`` is called once per sample as it reaches its terminal state;
@@ -63,7 +63,7 @@ class StepControl:
 
     def __init__(self, on_sample_done: Callable[[Sample], None] | None = None) -> None:
         self.on_sample_done = on_sample_done
-        self._step: _Step | None = None
+        self._step: _StepRun | None = None
         self._pending_cut: str | None = None
 
     def cut(self, reason: str = "external") -> None:
@@ -72,7 +72,7 @@ class StepControl:
         elif self._step.cut_reason is None and self._step.pending:
             self._step._decide_cut(reason)
 
-    def _attach(self, step: _Step) -> None:
+    def _attach(self, step: _StepRun) -> None:
         self._step = step
         if self._pending_cut is not None:
             self.cut(self._pending_cut)
@@ -135,7 +135,7 @@ class StepResult:
         return [self.samples[i] for i in self.kept]
 
 
-class _StepEngine(EngineView):
+class _TrackedEngine(EngineView):
     """The engine as the rollout fns of one step see it: tracks requests in flight and
     refuses new ones after the cut (they resolve at once with ``abort``)."""
 
@@ -182,7 +182,7 @@ def _status_for(reason: FinishReason | None) -> Status:
     raise ValueError(f"rollout returned without a valid finish reason ({reason!r})")
 
 
-class _Step:
+class _StepRun:
     def __init__(
         self,
         engine: Engine,
@@ -192,10 +192,10 @@ class _Step:
         tracer: Tracer,
         abort_deadline_s: float,
         timeout_s: float | None,
-        control: StepControl | None,
+        control: CutHandle | None,
     ) -> None:
         self.control = control
-        self.engine = _StepEngine(engine)
+        self.engine = _TrackedEngine(engine)
         self.samples = samples
         self.rollout = rollout
         self.policy = policy
@@ -317,7 +317,7 @@ async def run_step(
     *,
     abort_deadline_s: float = 5.0,
     timeout_s: float | None = None,
-    control: StepControl | None = None,
+    control: CutHandle | None = None,
     gc_pause: bool = True,
 ) -> StepResult:
     """Run one over-sampled step over ``samples`` (launch ``policy.n_launch`` of them).
@@ -335,14 +335,17 @@ async def run_step(
         raise ValueError(
             f"{policy.name} launches {policy.n_launch} samples but {len(samples)} were given"
         )
-    if [s.index for s in samples] != list(range(len(samples))):
-        raise ValueError("samples must be indexed 0..n-1 in launch order")
+    first = samples[0].index if samples else 0
+    if [s.index for s in samples] != list(range(first, first + len(samples))):
+        raise ValueError("samples must be indexed consecutively in launch order")
     with gc_paused(gc_pause):
-        step = _Step(engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control)
+        step = _StepRun(
+            engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control
+        )
         return await _run_step(step)
 
 
-async def _run_step(step: _Step) -> StepResult:
+async def _run_step(step: _StepRun) -> StepResult:
     policy, control = step.policy, step.control
     policy.start(step.t0)
     tasks: list[asyncio.Task[None]] = []
@@ -369,7 +372,7 @@ async def _run_step(step: _Step) -> StepResult:
     return _result(step, rounds, unconfirmed, abort_to_idle, await step.engine.stats())
 
 
-def _trace_cut(step: _Step) -> None:
+def _trace_cut(step: _StepRun) -> None:
     step.tracer.emit(
         EventKind.CUTOFF,
         STEP_WORKID,
@@ -380,7 +383,9 @@ def _trace_cut(step: _Step) -> None:
     )
 
 
-async def _abort_in_flight(step: _Step, tasks: list[asyncio.Task[None]]) -> tuple[int, list[str]]:
+async def _abort_in_flight(
+    step: _StepRun, tasks: list[asyncio.Task[None]]
+) -> tuple[int, list[str]]:
     """Abort every request we have in the engine; cancel tasks outside the engine; verify.
 
     Returns (abort rounds, ids still running at the deadline)."""
@@ -422,7 +427,7 @@ async def _send_abort(engine: Engine, ids: list[str]) -> None:
         await engine.abort(ids)
 
 
-async def _settle(step: _Step, tasks: list[asyncio.Task[None]]) -> None:
+async def _settle(step: _StepRun, tasks: list[asyncio.Task[None]]) -> None:
     """Wait (bounded) for every sample to reach its terminal record (aborted generate
     calls return, cancelled tool calls unwind), then cancel the stragglers. Waits on the
     step's wake event, which the last sample to finish sets: no callback per task."""
@@ -438,7 +443,7 @@ async def _settle(step: _Step, tasks: list[asyncio.Task[None]]) -> None:
 
 
 def _result(
-    step: _Step,
+    step: _StepRun,
     rounds: int,
     unconfirmed: list[str],
     abort_to_idle: float | None,
@@ -468,7 +473,7 @@ def _result(
         raise StepFailed(str(AbortNotConfirmed(unconfirmed, step.engine.name)))
     usable = counts.get(Status.COMPLETED, 0) + counts.get(Status.TRUNCATED, 0)
     step.policy.end(
-        StepOutcome(
+        StepFeedback(
             step_time_s=cut_time if cut_time is not None else loop_now - step.t0,
             cut=cut_time is not None,
             usable=usable,

@@ -30,7 +30,7 @@ def split_offsets(n_launch: int, workers: int, group_size: int) -> list[int]:
 
 
 @dataclass(slots=True)
-class StepPlan:
+class WorkerPlan:
     n_launch: int
     offsets: list[int]
     policies: list[CutoffPolicy]
@@ -40,7 +40,7 @@ class StepPlan:
 
 def plan_step(
     cfg: CutoffConfig, n_target: int, group_size: int, workers: int, state: dict[str, object]
-) -> StepPlan:
+) -> WorkerPlan:
     """Decide launch counts and policies. ``state`` keeps learned policies across steps."""
     if cfg.scope == "global" or workers == 1:
         policy = state.get("global")
@@ -48,9 +48,9 @@ def plan_step(
             policy = state["global"] = make_policy(cfg, n_target, group_size)
         offsets = split_offsets(policy.n_launch, workers, group_size)
         if workers == 1:
-            return StepPlan(policy.n_launch, offsets, [policy], None)
+            return WorkerPlan(policy.n_launch, offsets, [policy], None)
         locals_ = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
-        return StepPlan(policy.n_launch, offsets, list(locals_), policy)
+        return WorkerPlan(policy.n_launch, offsets, list(locals_), policy)
     if n_target % (workers * group_size):
         raise ValueError(
             f"scope=worker: n_target {n_target} must split into whole groups of {group_size} "
@@ -66,7 +66,7 @@ def plan_step(
     offsets = [0]
     for p in policies:
         offsets.append(offsets[-1] + p.n_launch)
-    return StepPlan(offsets[-1], offsets, policies, None)
+    return WorkerPlan(offsets[-1], offsets, policies, None)
 
 
 def split_at_groups(groups: Sequence[int], workers: int) -> list[int]:
@@ -89,7 +89,7 @@ def split_at_groups(groups: Sequence[int], workers: int) -> list[int]:
     return offsets
 
 
-def plan_for_policy(policy: CutoffPolicy, groups: Sequence[int], workers: int) -> StepPlan:
+def plan_for_policy(policy: CutoffPolicy, groups: Sequence[int], workers: int) -> WorkerPlan:
     """The caller's ``policy`` decides the cut over the whole step (global scope): with one
     worker it runs in that worker's scheduler, with more in the :class:`Coordinator` while
     the workers never cut by themselves. ``groups`` holds the group of each launched
@@ -98,6 +98,6 @@ def plan_for_policy(policy: CutoffPolicy, groups: Sequence[int], workers: int) -
         raise ValueError(f"{policy.name} launches {policy.n_launch} samples, got {len(groups)}")
     offsets = split_at_groups(groups, workers)
     if workers == 1:
-        return StepPlan(policy.n_launch, offsets, [policy], None)
+        return WorkerPlan(policy.n_launch, offsets, [policy], None)
     shares = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
-    return StepPlan(policy.n_launch, offsets, list(shares), policy)
+    return WorkerPlan(policy.n_launch, offsets, list(shares), policy)

@@ -16,13 +16,14 @@ Cut scope (``CutoffConfig.scope``):
   worker.
 
 Samples are split in contiguous blocks of whole groups, so worker ``r`` holds global
-indices ``offsets[r] .. offsets[r+1]-1``.
+indices ``offsets[r] .. offsets[r+1]-1``. Samples are numbered once, by the caller, in
+launch order over the whole step: a worker's samples keep their global indices (and the
+seeds the caller gave them), so its results merge back without renumbering.
 
 A caller that owns its policy (the trainer: learned state in checkpoints, uncut audit
 steps, resumed partial trajectories) plans with :func:`plan_for_policy`: that one policy
 decides the cut over the whole step, so N workers keep the same samples a single worker
-would. A rollout fn with ``set_step(step, index_offset)`` (:class:`StepAware`) is told the
-step and where its worker's block starts before each step.
+would.
 """
 
 from __future__ import annotations
@@ -33,21 +34,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from tailcut.config import CutoffConfig
-from tailcut.engine.base import Engine, EngineStats, EngineView
-from tailcut.rollout.cutoff import CutoffPolicy, StepOutcome
+from tailcut.engine.base import Engine, EngineStats
+from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
 from tailcut.rollout.scheduler import (
     DEFAULT_STEP_OPTIONS,
+    CutHandle,
     RolloutFn,
-    StepControl,
     StepFailed,
     StepOptions,
     StepResult,
     run_step,
 )
-from tailcut.rollout.worker_plan import StepPlan as StepPlan
+from tailcut.rollout.worker_plan import WorkerPlan as WorkerPlan
 from tailcut.rollout.worker_plan import plan_for_policy as plan_for_policy
 from tailcut.rollout.worker_plan import plan_step as plan_step
 from tailcut.rollout.worker_plan import split_at_groups as split_at_groups
@@ -57,29 +58,25 @@ from tailcut.types import FinishReason, Sample, Status
 
 
 class WorkerRecipe(Protocol):
-    """Builds a worker's engine and rollout fn inside the worker (picklable)."""
+    """Builds a worker's engine and rollout fn inside the worker (picklable). A recipe with
+    ``owns_engine = False`` hands out an engine someone else closes (the worker leaves it
+    open); any other recipe's engine is the worker's to close."""
 
     async def build(self, rank: int) -> tuple[Engine, RolloutFn]: ...
 
 
-@runtime_checkable
-class StepAware(Protocol):
-    """A rollout fn told the step, and the global index of its worker's first sample."""
-
-    def set_step(self, step: int, index_offset: int = 0) -> None: ...
-
-
 @dataclass(frozen=True)
 class SharedRecipe:
-    """Every worker drives the same in-process engine (through a view: closing a worker
-    leaves the engine open) with a rollout fn from ``make_rollout(rank)``. For workers on
-    the caller's event loop only (not picklable)."""
+    """Every worker drives the same in-process engine (which its owner closes, not the
+    workers) with the same rollout fn. For workers on the caller's event loop only (not
+    picklable)."""
 
     engine: Engine
-    make_rollout: Callable[[int], RolloutFn]
+    rollout: RolloutFn
+    owns_engine = False
 
     async def build(self, rank: int) -> tuple[Engine, RolloutFn]:
-        return EngineView(self.engine), self.make_rollout(rank)
+        return self.engine, self.rollout
 
 
 CutFn = Callable[[str], object]
@@ -107,8 +104,8 @@ class Coordinator:
         self.decided_at = None
         self.reason = None
 
-    def report(self, rank: int, local_index: int, group: int, status: Status) -> None:
-        index = self.offsets[rank] + local_index
+    def report(self, index: int, group: int, status: Status) -> None:
+        """Sample ``index`` (its index in the whole step) reached ``status``."""
         if index in self.reported:
             return
         self.reported.add(index)
@@ -121,7 +118,7 @@ class Coordinator:
         """Count a dead worker's unreported samples as FAILED (tolerated worker loss)."""
         for index in range(self.offsets[rank], self.offsets[rank + 1]):
             if index not in self.reported:
-                self.report(rank, index - self.offsets[rank], -1, Status.FAILED)
+                self.report(index, -1, Status.FAILED)
 
     def _cut(self, reason: str) -> None:
         self.reason = reason
@@ -146,7 +143,7 @@ class Coordinator:
 
 
 @dataclass(slots=True)
-class WorkerStep:
+class WorkerResult:
     """What a worker returns for one step (picklable)."""
 
     rank: int
@@ -166,7 +163,8 @@ class RolloutWorker:
         self.run_dir = run_dir
         self.engine: Engine | None = None
         self.rollout: RolloutFn | None = None
-        self.control: StepControl | None = None
+        self.control: CutHandle | None = None
+        self.owns_engine = bool(getattr(recipe, "owns_engine", True))
         self.cut_received_at: float | None = None
 
     async def start(self) -> None:
@@ -182,29 +180,24 @@ class RolloutWorker:
         step: int,
         samples: list[Sample],
         policy: CutoffPolicy,
-        report: Callable[[int, int, int, Status], object] | None = None,
+        report: Callable[[int, int, Status], object] | None = None,
         options: StepOptions = DEFAULT_STEP_OPTIONS,
-        *,
-        index_offset: int = 0,
-    ) -> WorkerStep:
+    ) -> WorkerResult:
         if not samples:
             empty = StepResult([], [], 0.0, None, engine_stats=None)
-            return WorkerStep(self.rank, empty, None, policy.state_dict())
+            return WorkerResult(self.rank, empty, None, policy.state_dict())
         if self.engine is None or self.rollout is None:
             await self.start()
         assert self.engine is not None and self.rollout is not None
-        if isinstance(self.rollout, StepAware):
-            self.rollout.set_step(step, index_offset)
-        rank = self.rank
 
         def done(sample: Sample) -> None:
             if report is not None:
-                report(rank, sample.index, sample.group, sample.status)
+                report(sample.index, sample.group, sample.status)
 
         self.cut_received_at = None
-        self.control = StepControl(done)
+        self.control = CutHandle(done)
         loop = asyncio.get_running_loop()
-        with Tracer.for_step(self.run_dir, step, rank, clock=loop.time) as tracer:
+        with Tracer.for_step(self.run_dir, step, self.rank, clock=loop.time) as tracer:
             result = await run_step(
                 self.engine,
                 samples,
@@ -217,16 +210,16 @@ class RolloutWorker:
                 gc_pause=options.gc_pause,
             )
         self.control = None
-        return WorkerStep(rank, result, self.cut_received_at, policy.state_dict())
+        return WorkerResult(self.rank, result, self.cut_received_at, policy.state_dict())
 
     async def aclose(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.owns_engine:
             await self.engine.aclose()
 
 
 def merge(
-    plan: StepPlan,
-    steps: Sequence[WorkerStep | BaseException],
+    plan: WorkerPlan,
+    steps: Sequence[WorkerResult | BaseException],
     coordinator: Coordinator | None,
 ) -> StepResult:
     """One StepResult in global launch order from the workers' results."""
@@ -238,18 +231,17 @@ def merge(
     for r, ws in enumerate(steps):
         lo, hi = plan.offsets[r], plan.offsets[r + 1]
         if isinstance(ws, BaseException):
-            part = [_lost(i, lo, ws) for i in range(hi - lo)]
+            part = [_lost(i, ws) for i in range(lo, hi)]
         else:
             part = ws.result.samples
-            kept += [lo + i for i in ws.result.kept]
+            kept += ws.result.kept
             times.append(ws.result.step_time_s)
             if ws.result.cut_time_s is not None:
                 cuts.append(ws.result.cut_time_s)
             idles.append(_idle_at(ws))
             if ws.result.cut_to_settled_s is not None:
                 settles.append(ws.result.cut_to_settled_s)
-        for i, s in enumerate(part):
-            s.index = lo + i
+        for s in part:
             samples.append(s)
             counts[s.status] = counts.get(s.status, 0) + 1
     for r, ws in enumerate(steps):
@@ -259,7 +251,7 @@ def merge(
         kept = coordinator.select(samples)
         cut_time = min(cuts) if cuts else None
         coordinator.policy.end(
-            StepOutcome(
+            StepFeedback(
                 step_time_s=cut_time if cut_time is not None else max(times),
                 cut=cut_time is not None,
                 usable=len(kept),
@@ -292,14 +284,14 @@ def merge(
     )
 
 
-def _idle_at(ws: WorkerStep) -> float | None:
+def _idle_at(ws: WorkerResult) -> float | None:
     if ws.cut_received_at is None or ws.result.abort_to_idle_s is None:
         return None
     return ws.cut_received_at + ws.result.abort_to_idle_s
 
 
-def _lost(i: int, lo: int, exc: BaseException) -> Sample:
-    s = Sample(index=lo + i, status=Status.FAILED, finish_reason=FinishReason.FAILED)
+def _lost(index: int, exc: BaseException) -> Sample:
+    s = Sample(index=index, status=Status.FAILED, finish_reason=FinishReason.FAILED)
     s.error = f"worker lost: {type(exc).__name__}: {exc}"
     return s
 
@@ -316,27 +308,25 @@ class Workers(ABC):
         """How every worker runs its step (abort deadline, step timeout, GC pause)."""
         self.policy_state: dict[str, object] = {}
 
-    def plan(self, n_target: int, group_size: int = 1) -> StepPlan:
+    def plan(self, n_target: int, group_size: int = 1) -> WorkerPlan:
         return plan_step(self.cfg, n_target, group_size, self.n_workers, self.policy_state)
 
     @abstractmethod
-    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult: ...
+    async def run_step(self, step: int, plan: WorkerPlan, samples: list[Sample]) -> StepResult: ...
 
     @abstractmethod
     async def aclose(self) -> None: ...
 
-    def _check(self, plan: StepPlan, samples: list[Sample]) -> list[list[Sample]]:
+    def _split(self, plan: WorkerPlan, samples: list[Sample]) -> list[list[Sample]]:
+        """Each worker's block of (copies of) the samples, which keep their indices."""
         if len(samples) != plan.n_launch:
             raise ValueError(f"plan launches {plan.n_launch} samples, got {len(samples)}")
-        shares = []
-        for r in range(self.n_workers):
-            part = [replace(s) for s in samples[plan.offsets[r] : plan.offsets[r + 1]]]
-            for i, s in enumerate(part):
-                s.index = i
-            shares.append(part)
-        return shares
+        return [
+            [replace(s) for s in samples[plan.offsets[r] : plan.offsets[r + 1]]]
+            for r in range(self.n_workers)
+        ]
 
-    def _fail_or_tolerate(self, steps: Sequence[WorkerStep | BaseException]) -> None:
+    def _fail_or_tolerate(self, steps: Sequence[WorkerResult | BaseException]) -> None:
         errors = [(r, e) for r, e in enumerate(steps) if isinstance(e, BaseException)]
         if errors and not self.cfg.tolerate_worker_loss:
             r, exc = errors[0]
@@ -358,8 +348,8 @@ class LocalWorkers(Workers):
         super().__init__(cfg, n_workers, options)
         self.workers = [RolloutWorker(r, recipe, run_dir) for r in range(n_workers)]
 
-    async def run_step(self, step: int, plan: StepPlan, samples: list[Sample]) -> StepResult:
-        shares = self._check(plan, samples)
+    async def run_step(self, step: int, plan: WorkerPlan, samples: list[Sample]) -> StepResult:
+        shares = self._split(plan, samples)
         coord = None
         if plan.coordinator_policy is not None:
             coord = Coordinator(
@@ -368,11 +358,10 @@ class LocalWorkers(Workers):
             coord.start()
         report = coord.report if coord else None
 
-        async def one(r: int) -> WorkerStep:
+        async def one(r: int) -> WorkerResult:
             return await self.workers[r].run_step(
-                step, shares[r], plan.policies[r], report, self.options,
-                index_offset=plan.offsets[r],
-            )  # fmt: skip
+                step, shares[r], plan.policies[r], report, self.options
+            )
 
         tasks = [asyncio.create_task(one(r)) for r in range(self.n_workers)]
         watch = asyncio.create_task(coord.watch()) if coord else None

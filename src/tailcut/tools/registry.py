@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +35,14 @@ VERL_CLASSES: dict[str, str] = {
     "verl.tools.sandbox_fusion_tool.SandboxFusionTool": "tailcut.tools.code_interpreter.CodeInterpreterTool",
 }  # fmt: skip
 TOOLSET_KEYS = ("type", "timeout", "max_concurrency")
+
+TOOLS: dict[str, str] = {
+    "calculator": "tailcut.tools.calculator.CalculatorTool",
+    "calc_gsm8k_reward": "tailcut.tools.gsm8k.Gsm8kTool",
+}
+"""The tool registry: a tool's name → its class, for tools that need no options (what
+``data.tools`` and a dataset's ``tools_kwargs`` name). Tools with options come from a
+tool-config file (:func:`load_tool_config`)."""
 
 
 class ToolConfigError(ValueError):
@@ -137,6 +145,16 @@ def _limits(config: Mapping[str, Any], where: str) -> ToolLimits:
         else:
             concurrency = int(value)
     return ToolLimits(timeout_s=timeout, max_concurrency=concurrency)
+
+
+def tools_by_name(names: Iterable[str]) -> ToolSet:
+    """A tool set of the named registered tools (:data:`TOOLS`), with default limits."""
+    tools: dict[str, Tool] = {}
+    for name in names:
+        if name not in TOOLS:
+            raise ToolConfigError(f"tool {name!r} is not one of {', '.join(TOOLS)}")
+        tools[name] = resolve_class(TOOLS[name], f"tool {name!r}")()
+    return ToolSet(tools)
 
 
 def resolve_class(class_name: str, where: str) -> type:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from tailcut.trace.load import StepTrace, load_run
+from tailcut.types import FINISHED
 
 PERCENTILES = (("p50", 0.5), ("p80", 0.8), ("p90", 0.9), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))
-FINISHED = ("completed", "truncated")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

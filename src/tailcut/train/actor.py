@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,37 +22,8 @@ from torch import Tensor
 
 from tailcut.algo.batch import TrainBatch
 from tailcut.algo.loss import LossNorm, PolicyLossSpec, entropy_from_logits, ppo_clip_loss
+from tailcut.algo.tensors import BatchTensors, to_tensors
 from tailcut.train.config import ActorConfig, AlgoConfig
-
-
-@dataclass(slots=True)
-class BatchTensors:
-    input_ids: Tensor
-    loss_mask: Tensor
-    old_logprobs: Tensor
-    versions: Tensor
-    prompt_lens: Tensor
-    response_lens: Tensor
-    row_valid: Tensor
-    advantages: Tensor
-    prompt_width: int
-    response_width: int
-
-
-def to_tensors(batch: TrainBatch) -> BatchTensors:
-    """Tensors over the batch's arrays (no copy for the per-token fields)."""
-    return BatchTensors(
-        input_ids=torch.from_numpy(batch.input_ids),
-        loss_mask=torch.from_numpy(batch.loss_mask),
-        old_logprobs=torch.from_numpy(batch.old_logprobs),
-        versions=torch.from_numpy(batch.versions),
-        prompt_lens=torch.tensor(batch.prompt_lens, dtype=torch.long),
-        response_lens=torch.tensor(batch.response_lens, dtype=torch.long),
-        row_valid=torch.tensor(batch.row_valid, dtype=torch.long),
-        advantages=torch.tensor(batch.advantages, dtype=torch.float32),
-        prompt_width=batch.prompt_width,
-        response_width=batch.response_width,
-    )
 
 
 def _split(items: Sequence[int], parts: int) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """The trainer's rollout workers (``rollout.workers``, ``rollout.backend``).
 
 ``local``: N workers on the trainer's event loop, all driving the setup's engine (the
-engine the trainer syncs weights into) with their own seeded copy of the rollout fn.
+engine the trainer syncs weights into) with the setup's rollout fn.
 ``ray``: one Ray actor per worker, each building its engine and rollout fn from the
 setup's picklable :class:`~tailcut.rollout.workers.WorkerRecipe` (``train/build.py``
 gives one for SGLang / vLLM servers, which the trainer syncs directly; the embedded engine
@@ -10,7 +10,7 @@ yet (``ray.init``: the cluster at ``RAY_ADDRESS``, else a local one).
 
 Either way the trainer plans each step with one cut-off policy over all workers
 (:func:`~tailcut.rollout.workers.plan_for_policy`), so a step keeps the samples one
-worker would keep, and seeds follow each sample's position in the whole step.
+worker would keep, and the trainer seeds each sample by its position in the whole step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tailcut.engine.base import Engine
 from tailcut.rollout.scheduler import RolloutFn, StepOptions
 from tailcut.rollout.workers import LocalWorkers, SharedRecipe, WorkerRecipe, Workers
 from tailcut.train.config import TrainConfig
-from tailcut.train.seeding import SeededRollout
 
 
 async def make_workers(
@@ -31,16 +30,13 @@ async def make_workers(
     recipe: WorkerRecipe | None,
     run_dir: Path,
 ) -> Workers:
-    """Started workers for ``cfg.rollout``; the caller closes them (``aclose``).
-
-    ``recipe`` (Ray only) must give each worker a rollout fn that seeds its requests by
-    step and global sample index (a :class:`SeededRollout` built in the actor)."""
+    """Started workers for ``cfg.rollout``; the caller closes them (``aclose``). ``recipe``
+    (Ray only) builds each worker's engine client and rollout fn in its actor."""
     r = cfg.rollout
     trace_dir = run_dir / "traces" if cfg.trainer.trace else None
     options = StepOptions(cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause)
     if r.backend == "local":
-        seed = cfg.trainer.seed
-        shared = SharedRecipe(engine, lambda rank: SeededRollout(rollout, seed, stream=0))
+        shared = SharedRecipe(engine, rollout)
         return LocalWorkers(cfg.cutoff, shared, r.workers, trace_dir, options=options)
     if recipe is None:
         raise ValueError(

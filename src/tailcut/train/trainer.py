@@ -5,7 +5,8 @@ One step ``k`` (1-based)::
 
     resumed partial trajectories + fresh prompts × group size ─► rollout workers
       (``rollout.workers``; one cut-off policy over all of them, train/rollout_pool.py)
-      ─► plan_rows (drop | mask | partial) ─► advantages over real members
+      ─► plan_rows (drop | mask | partial; deferred samples into the partial buffer,
+         group baselines out of it) ─► advantages over real members
       ─► assemble ─► actor.update (in a worker thread) ─► weight sync (version k)
       ─► every val_every: validation with wait-all ─► every save_every: checkpoint
 
@@ -29,13 +30,22 @@ import torch
 from rich.console import Console
 
 from tailcut.algo.advantage import compute_advantages
-from tailcut.algo.batch import BatchBuffers, TrainBatch, assemble, drop_rows, plan_rows
-from tailcut.algo.metrics import audit_bias, estimate_rewards, rollout_metrics
+from tailcut.algo.batch import BatchBuffers, assemble, keep_rows, plan_rows
+from tailcut.algo.metrics import (
+    audit_bias,
+    batch_metrics,
+    estimate_rewards,
+    partial_metrics,
+    rollout_metrics,
+    timing_metrics,
+    validation_metrics,
+)
 from tailcut.config import dump_config
 from tailcut.engine.base import Engine
-from tailcut.rollout.cutoff import CutoffPolicy, Deadline, WaitAll, make_policy
-from tailcut.rollout.partial import PartialBuffer
+from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
+from tailcut.rollout.partial import PartialBuffer, TakeResult
 from tailcut.rollout.scheduler import RolloutFn, StepResult, run_step
+from tailcut.rollout.seeds import TRAIN_STREAM, VALIDATION_STREAM, seed_samples
 from tailcut.rollout.workers import WorkerRecipe, Workers, plan_for_policy
 from tailcut.trace.events import Tracer
 from tailcut.train import checkpoint as ckpt
@@ -44,11 +54,8 @@ from tailcut.train.config import TrainConfig
 from tailcut.train.loggers import make_loggers, truncate_jsonl
 from tailcut.train.prompts import PromptStream
 from tailcut.train.rollout_pool import make_workers
-from tailcut.train.seeding import SeededRollout
 from tailcut.train.weight_sync import WeightSync
-from tailcut.types import Sample, Status
-
-FINISHED = (Status.COMPLETED, Status.TRUNCATED)
+from tailcut.types import Sample
 
 
 @dataclass
@@ -102,16 +109,14 @@ class Trainer:
         self.prompts = PromptStream(
             setup.train_prompts, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
+        self.partial = cfg.cutoff.aborted == "partial"
         self.buffer = PartialBuffer(max_staleness=cfg.cutoff.max_staleness)
         self.policy_state: dict[str, Any] = {}
         self.next_group = 0
         self.step = 0
         self.train_s = 0.0
         """Seconds spent in steps so far (validation and checkpoints excluded)."""
-        self.val_rollout = SeededRollout(setup.val_rollout, cfg.trainer.seed, stream=1)
         self.history: list[dict[str, float]] = []
-        self.keep_history: list[int] = []
-        """Usable samples kept by recent cut steps (the audit replays the cut with it)."""
         self.weight_sync = WeightSync(cfg.sync, self.run_dir)
         self.workers: Workers | None = None
         self.batch_buffers = BatchBuffers()
@@ -168,156 +173,87 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------
 
     async def _one_step(self, step: int) -> dict[str, float]:
-        t0 = time.monotonic()
-        reward_s0 = self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
+        """rollout → rows → advantages → batch → update → weight sync, in that order."""
+        t0, reward_s0 = time.monotonic(), self._reward_s()
         self.fault(step, "rollout")
-        result, audit, metrics = await self._rollout(step)
+        taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
+        policy = self._policy(len(taken.resumed))
+        samples = self._launch(step, taken.resumed, policy.n_launch)
+        audit = bool(self.cfg.cutoff.audit_every) and step % self.cfg.cutoff.audit_every == 0
+        result = await self._rollout(step, samples, policy, audit)
+        n_keep = policy.would_keep(result.samples) if audit else None
         t_rollout = time.monotonic()
-        batch, learn_metrics = self._learn(step, result)
-        metrics.update(learn_metrics)
+        rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
+        baselines = self.buffer.settle(step, rows) if self.partial else None
+        a = self.cfg.algo
+        adv = compute_advantages(
+            rows.rewards, rows.groups, rows.valid, estimator=a.estimator,
+            small_group=a.small_group, eps=a.adv_eps, baseline_rewards=baselines,
+        )  # fmt: skip
+        rows, advantages = keep_rows(rows, adv.advantages, adv.keep)
+        batch = assemble(rows, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
         self.fault(step, "update")
-        metrics.update(await asyncio.to_thread(self.actor.update, batch))
+        update = await asyncio.to_thread(self.actor.update, batch)
         t_train = time.monotonic()
         self.fault(step, "sync")
-        metrics.update(await self._sync_weights())
-        t_sync = time.monotonic()
-        step_s = t_sync - t0
-        reward_s = (self.setup.reward_seconds() if self.setup.reward_seconds else 0.0) - reward_s0
-        metrics.update(
-            {
-                "timing/rollout_s": t_rollout - t0,
-                "timing/train_s": t_train - t_rollout,
-                "timing/sync_s": t_sync - t_train,
-                "timing/reward_s": reward_s,
-                "timing/step_s": step_s,
-                "timing/share_rollout": (t_rollout - t0) / step_s,
-                "timing/share_train": (t_train - t_rollout) / step_s,
-                "timing/share_sync": (t_sync - t_train) / step_s,
-                "timing/share_reward": reward_s / step_s,
-                "train/version": float(self.actor.version),
-                "rollout/audit": float(audit),
-            }
-        )
+        sync = await self._sync_weights()
+        phases = {"rollout": t_rollout - t0, "train": t_train - t_rollout}
+        phases["sync"] = time.monotonic() - t_train
+        metrics = rollout_metrics(result, n_keep)
+        metrics.update(estimate_rewards(result.samples).as_metrics())
+        if n_keep is not None:
+            metrics.update(audit_bias(result.samples, n_keep))
+        if self.partial:
+            metrics.update(
+                partial_metrics(len(taken.resumed), taken.expired, taken.expired_tokens,
+                                len(self.buffer), self.buffer.dropped_total)
+            )  # fmt: skip
+        metrics.update(batch_metrics(batch, adv))
+        metrics.update(update)
+        metrics.update(sync)
+        metrics.update(timing_metrics(phases, self._reward_s() - reward_s0))
+        metrics["train/version"] = float(self.actor.version)
+        metrics["rollout/audit"] = float(audit)
         return metrics
 
-    def _make_samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Resumed partial trajectories first, then ``batch_size`` fresh groups (and more
-        when the policy over-provisions)."""
+    def _reward_s(self) -> float:
+        return self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
+
+    def _policy(self, n_resumed: int) -> CutoffPolicy:
+        """This step's cut-off policy (built once a step, with the state it has learned)."""
         g = self.cfg.algo.group_size
-        resumed: list[Sample] = []
-        extra: dict[str, float] = {}
-        if self.cfg.cutoff.aborted == "partial":
-            taken = self.buffer.take(step)
-            resumed = taken.resumed
-            extra = {
-                "partial/resumed": float(len(resumed)),
-                "partial/expired": float(taken.expired),
-                "partial/expired_tokens": float(taken.expired_tokens),
-            }
-        policy = self._policy(len(resumed))
-        n_fresh = policy.n_launch - len(resumed)
+        policy = make_policy(self.cfg.cutoff, self.cfg.n_target + n_resumed, g)
+        policy.load_state_dict(self.policy_state)
+        return policy
+
+    def _launch(self, step: int, resumed: list[Sample], n_launch: int) -> list[Sample]:
+        """Resumed partial trajectories first, then fresh groups up to ``n_launch``: numbered
+        once, in launch order over the whole step, and seeded by that number."""
+        g = self.cfg.algo.group_size
+        n_fresh = n_launch - len(resumed)
         rows = self.prompts.take(-(-n_fresh // g))
-        fresh = []
-        for j in range(n_fresh):
-            data = dict(rows[j // g])
-            fresh.append(Sample(index=0, group=self.next_group + j // g, data=data))
+        fresh = [
+            Sample(index=0, group=self.next_group + j // g, data=dict(rows[j // g]))
+            for j in range(n_fresh)
+        ]
         self.next_group += len(rows)
         samples = resumed + fresh
         for i, s in enumerate(samples):
             s.index = i
-        return samples, extra
+        seed_samples(samples, self.cfg.trainer.seed, TRAIN_STREAM, step)
+        return samples
 
-    def _policy(self, n_resumed: int) -> CutoffPolicy:
-        policy = make_policy(
-            self.cfg.cutoff, self.cfg.n_target + n_resumed, self.cfg.algo.group_size
-        )
-        policy.load_state_dict(self.policy_state)
-        return policy
-
-    async def _rollout(self, step: int) -> tuple[StepResult, bool, dict[str, float]]:
-        cut_cfg = self.cfg.cutoff
-        samples, metrics = self._make_samples(step)
-        audit = bool(cut_cfg.audit_every) and step % cut_cfg.audit_every == 0
-        policy = self._policy(len([s for s in samples if s.resumed_from_step is not None]))
-        run_policy: CutoffPolicy = (
-            WaitAll(len(samples), self.cfg.algo.group_size) if audit else policy
-        )
+    async def _rollout(
+        self, step: int, samples: list[Sample], policy: CutoffPolicy, audit: bool
+    ) -> StepResult:
+        """The step over every worker, cut by ``policy`` (never cut on an audit step)."""
+        run_policy = WaitAll(len(samples), self.cfg.algo.group_size) if audit else policy
         assert self.workers is not None, "run() starts the rollout workers"
         plan = plan_for_policy(run_policy, [s.group for s in samples], self.cfg.rollout.workers)
         result = await self.workers.run_step(step, plan, samples)
         if not audit:  # the policy that ran (a Ray worker's copy comes back into the plan)
             self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
-            self.keep_history = ([*self.keep_history, len(result.kept)])[-16:]
-        n_keep = self._audit_keep(policy, result) if audit else None
-        metrics.update(rollout_metrics(result, n_keep))
-        metrics.update(estimate_rewards(result.samples).as_metrics())
-        if audit and n_keep is not None:
-            metrics.update(audit_bias(result.samples, n_keep))
-        return result, audit, metrics
-
-    def _audit_keep(self, policy: CutoffPolicy, result: StepResult) -> int:
-        """How many samples the configured policy would have kept on this uncut step."""
-        if isinstance(policy, Deadline):
-            budget = policy.budget_s()
-            if budget is None:
-                return len(result.kept)
-            t0 = min(
-                (s.launched_at for s in result.samples if s.launched_at is not None), default=0.0
-            )
-            on_time = sum(
-                1 for s in result.samples
-                if s.status in FINISHED and s.ended_at is not None and s.ended_at - t0 <= budget
-            )  # fmt: skip
-            return max(on_time, policy.min_done)
-        if isinstance(policy, WaitAll):
-            return len(result.kept)
-        return policy.target_completion
-
-    def _learn(self, step: int, result: StepResult) -> tuple[TrainBatch, dict[str, float]]:
-        """Rows, advantages and the padded batch; cut-off samples go where the mode says."""
-        a = self.cfg.algo
-        mode = self.cfg.cutoff.aborted
-        plan = plan_rows(result.samples, result.kept, mode)
-        baselines = self.buffer.baseline_rewards(plan.groups) if mode == "partial" else None
-        adv = compute_advantages(
-            plan.rewards, plan.groups, plan.valid, estimator=a.estimator,
-            small_group=a.small_group, eps=a.adv_eps, baseline_rewards=baselines,
-        )  # fmt: skip
-        advantages = adv.advantages
-        if a.small_group == "drop" and not all(
-            k or not v for k, v in zip(adv.keep, plan.valid, strict=True)
-        ):
-            kept = [k or not v for k, v in zip(adv.keep, plan.valid, strict=True)]
-            advantages = [x for x, k in zip(advantages, kept, strict=True) if k]
-            plan = drop_rows(plan, kept)
-        if mode == "partial":
-            finished: dict[int, list[float]] = {}
-            for s, ok in zip(plan.samples, plan.valid, strict=True):
-                if ok and s.reward is not None:
-                    finished.setdefault(s.group, []).append(float(s.reward))
-            self.buffer.add(plan.deferred, step, finished)
-            self.buffer.release(plan.groups)
-        batch = assemble(plan, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
-        c = batch.counts
-        metrics = {
-            "batch/rows": float(batch.size),
-            "batch/real_rows": float(c.real),
-            "batch/masked_rows": float(c.masked),
-            "batch/dropped_aborted": float(c.dropped_aborted),
-            "batch/deferred_partial": float(c.deferred_partial),
-            "batch/failed": float(c.failed),
-            "batch/surplus": float(c.surplus),
-            "batch/dropped_small_group": float(c.dropped_small_group),
-            "batch/loss_tokens": float(batch.n_loss_tokens),
-            "adv/groups": float(adv.n_groups),
-            "adv/small_groups": float(adv.n_small_groups),
-            "adv/zero_std_groups": float(adv.n_zero_std_groups),
-            "adv/mean_group_size": adv.mean_group_size,
-        }
-        if mode == "partial":
-            metrics["partial/buffered"] = float(len(self.buffer))
-            metrics["partial/dropped_total"] = float(self.buffer.dropped_total)
-        return batch, metrics
+        return result
 
     async def _sync_weights(self) -> dict[str, float]:
         return await self.weight_sync(self.setup.engine, self.actor)
@@ -325,29 +261,18 @@ class Trainer:
     # -- validation -----------------------------------------------------------------------
 
     async def _validate(self, step: int) -> dict[str, float]:
-        """One sample per validation prompt with the wait-all policy: never cut."""
+        """One sample per validation prompt with the wait-all policy: never cut; the same
+        seeds every time, so differences are the policy's."""
         t0 = time.monotonic()
         rows = list(self.setup.val_prompts)[: self.cfg.data.val_size]
         samples = [Sample(index=i, group=i, data=dict(r)) for i, r in enumerate(rows)]
-        policy = WaitAll(len(samples), 1)
-        self.val_rollout.set_step(0)  # the same seeds every time: differences are the policy's
+        seed_samples(samples, self.cfg.trainer.seed, VALIDATION_STREAM, 0)
         result = await run_step(
-            self.setup.engine, samples, self.val_rollout, policy, Tracer(None, step=step),
-            abort_deadline_s=self.cfg.engine.abort_deadline_s, gc_pause=self.cfg.rollout.gc_pause,
+            self.setup.engine, samples, self.setup.val_rollout, WaitAll(len(samples), 1),
+            Tracer(None, step=step), abort_deadline_s=self.cfg.engine.abort_deadline_s,
+            gc_pause=self.cfg.rollout.gc_pause,
         )  # fmt: skip
-        rewards = [
-            float(s.reward) if s.status in FINISHED and s.reward is not None else 0.0
-            for s in result.samples
-        ]
-        return {
-            "val/reward": sum(rewards) / len(rewards) if rewards else 0.0,
-            "val/n": float(len(rewards)),
-            "val/aborted": float(result.aborted),
-            "val/failed": float(result.failed),
-            "val/truncated": float(sum(s.status is Status.TRUNCATED for s in result.samples)),
-            "val/cut": float(result.cut_time_s is not None),
-            "timing/val_s": time.monotonic() - t0,
-        }
+        return validation_metrics(result, time.monotonic() - t0)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -358,7 +283,6 @@ class Trainer:
             "next_group": self.next_group,
             "policy": self.policy_state,
             "partial": self.buffer.state_dict(),
-            "keep_history": self.keep_history,
             "train_s": self.train_s,
             "rng": ckpt.rng_state(),
         }
@@ -390,7 +314,6 @@ class Trainer:
         self.next_group = int(state["next_group"])
         self.policy_state = dict(state["policy"])
         self.buffer.load_state_dict(state["partial"])
-        self.keep_history = list(state.get("keep_history", []))
         self.train_s = float(state.get("train_s", 0.0))
         ckpt.set_rng_state(state["rng"])
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)

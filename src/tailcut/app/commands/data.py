@@ -1,7 +1,6 @@
 """``tailcut data``: build and check verl-format parquet datasets.
 
-Commands live in ``data_app``; another data command registers with one line in cli.py
-(``data_app.command("name")(fn)``). Heavy imports stay inside the commands.
+Heavy imports stay inside the commands.
 """
 
 from __future__ import annotations
@@ -165,3 +164,33 @@ def _print_check(file: Path, n_rows: int, good: list, problems: list, limit: int
     console.print(
         f"{file}: {n_rows:,} rows, {verdict}" + (f"; data_source: {sources}" if sources else "")
     )
+
+
+@data_app.command("arith")
+def arith(
+    out: Annotated[
+        Path, typer.Option(help="Folder for train.parquet, test.parquet and tools.yaml.")
+    ] = Path("data/arith"),
+    n: Annotated[int, typer.Option(min=1, max=10_000_000, help="Training rows.")] = 5000,
+    n_test: Annotated[int, typer.Option(min=1, max=1_000_000, help="Test rows.")] = 500,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the problem generator.")] = 0,
+) -> None:
+    """Write the built-in model's arithmetic task (calculator tool) as verl-format parquet."""
+    from rich.console import Console
+
+    from tailcut.data import arith
+    from tailcut.data.verl import DataError
+
+    try:
+        counts = arith.write_dataset(out, n, n_test, seed)
+    except DataError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    console = Console()
+    for split, rows in counts.items():
+        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
+    console.print(f"wrote {out / 'tools.yaml'} (tool: {arith.TOOL_NAME})")
+    problems = arith.generate_problems(arith.split_seed(seed, "train"), n)
+    steps = Counter(len(p.steps) for p in problems)
+    shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
+    console.print(f"steps per problem (train): {shares}", highlight=False)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tailcut.engine.hf_cache import SlotKVCache, decode_mask
+from tailcut.engine.hf.cache import SlotKVCache, decode_mask
 
 log = logging.getLogger(__name__)
 

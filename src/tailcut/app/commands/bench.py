@@ -251,6 +251,10 @@ def _hf(options: dict[str, Any]) -> None:
         ) from None
     for key in ("engine", "workers", "scope", "ray"):
         options.pop(key)
+    if options["model"] == "builtin":
+        from tailcut.app.wiring import model_dir
+
+        options.update(model=str(model_dir("builtin", "--model")), arith_task=True)
     run_hf_bench(**options)
 
 

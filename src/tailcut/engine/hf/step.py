@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tailcut.engine.hf_cache import SlotKVCache, prefill_mask
-from tailcut.engine.hf_graphs import DecodeStep, HostStage, prefill_shape
-from tailcut.engine.hf_records import Live
-from tailcut.engine.hf_sampling import LogprobMode, sample_tokens
+from tailcut.engine.hf.cache import SlotKVCache, prefill_mask
+from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
+from tailcut.engine.hf.records import Live
+from tailcut.engine.hf.sampling import LogprobMode, sample_tokens
 
 
 class PassRunner:

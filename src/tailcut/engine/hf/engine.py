@@ -5,7 +5,7 @@ drops a cancelled request without returning its partial tokens, never confirms t
 cancellation has freed the cache (a caller would have to poll), has no per-request seeds,
 and takes per-request temperature / top-p only through a global opt-in. The engine
 contract needs all of those, so tailcut runs a small scheduler of its own over a per-slot
-KV cache (``hf_cache.py``), driven by one worker thread (``hf_worker.py``).
+KV cache (``hf/cache.py``), driven by one worker thread (``hf/worker.py``).
 
 * Continuous batching: each forward pass is either a prefill of newly admitted requests
   (right-padded, written into free slots) or one decode step over every running request;
@@ -20,9 +20,9 @@ KV cache (``hf_cache.py``), driven by one worker thread (``hf_worker.py``).
   top-p, ``max_new_tokens``, stop ids and EOS (unless ``ignore_eos``) per request;
   per-request seeds (each request has its own random stream, independent of its batch).
 * GPU efficiency: per forward pass the host does a fixed number of device calls and waits
-  on the device once (``hf_step.py``: inputs in one copy per kind, the whole batch sampled
+  on the device once (``hf/step.py``: inputs in one copy per kind, the whole batch sampled
   on the device, tokens and log-probs back in one copy); on CUDA the decode pass replays a
-  CUDA graph per bucket of rows x key columns (``hf_graphs.py``, ``cuda_graphs``). When
+  CUDA graph per bucket of rows x key columns (``hf/graphs.py``, ``cuda_graphs``). When
   more requests wait than slots are free, refills are batched (``admit_min_rows``,
   ``admit_max_wait``) so that prefill passes, which run eagerly, stay few.
 * ``update_weights(state_dict, version)`` copies weights in place between two forward
@@ -40,9 +40,9 @@ from typing import Any
 
 from tailcut.config import EngineConfig, HFEngineConfig
 from tailcut.engine.base import BaseEngine, EngineError, EngineStats
-from tailcut.engine.hf_load import eos_token_ids, load_causal_lm
-from tailcut.engine.hf_records import Counters, Live, load_weights
-from tailcut.engine.hf_worker import SlotWorker
+from tailcut.engine.hf.load import eos_token_ids, load_causal_lm
+from tailcut.engine.hf.records import Counters, Live, load_weights
+from tailcut.engine.hf.worker import SlotWorker
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult
 
 

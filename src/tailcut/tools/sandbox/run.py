@@ -25,8 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tailcut.tools.sandbox_procs import TAG_VAR, PidsCgroup, Target, UidLease, terminate
-from tailcut.tools.sandbox_result import (
+from tailcut.tools.sandbox.procs import (
+    TAG_VAR,
+    PidsCgroup,
+    Target,
+    UidLease,
+    UidPool,
+    terminate,
+)
+from tailcut.tools.sandbox.result import (
     SandboxError,
     SandboxResult,
     SandboxStatus,
@@ -34,11 +41,11 @@ from tailcut.tools.sandbox_result import (
 )
 
 if TYPE_CHECKING:
-    from tailcut.tools.sandbox import LocalSandbox
+    from tailcut.tools.sandbox.config import SandboxConfig
 
 log = logging.getLogger(__name__)
 
-LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+LAUNCHER = Path(__file__).with_name("launcher.py")
 _warned: set[str] = set()
 
 
@@ -92,9 +99,8 @@ def _interpreter_roots(python: str) -> list[str]:
 class Run:
     """One program run: prepare → spawn → supervise → tear down."""
 
-    def __init__(self, box: LocalSandbox, timeout_s: float, on_output: Any):
-        cfg = box.config
-        self.box, self.cfg, self.timeout_s = box, cfg, timeout_s
+    def __init__(self, cfg: SandboxConfig, uids: UidPool, timeout_s: float, on_output: Any):
+        self.cfg, self.uids, self.timeout_s = cfg, uids, timeout_s
         self.tag = secrets.token_hex(8)
         self.out = _Capture("stdout", cfg.max_output_bytes, on_output)
         self.err = _Capture("stderr", cfg.max_output_bytes, on_output)
@@ -134,7 +140,7 @@ class Run:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
         if os.geteuid() == 0:
-            self.lease = self.box._uids.acquire()
+            self.lease = self.uids.acquire()
             for p in [self.workdir, *self.workdir.rglob("*")]:
                 os.chown(p, self.lease.uid, self.lease.uid)
         else:

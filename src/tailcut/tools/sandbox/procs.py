@@ -274,10 +274,6 @@ class PidsCgroup:
                 if old and child.is_dir() and not (child / "cgroup.procs").read_text().strip():
                     child.rmdir()
 
-    @property
-    def procs_file(self) -> str:
-        return str(self.path / "cgroup.procs")
-
     def pids(self) -> set[int]:
         try:
             return {int(x) for x in (self.path / "cgroup.procs").read_text().split()}

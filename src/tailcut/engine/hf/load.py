@@ -1,4 +1,4 @@
-"""Loading a causal LM for the embedded engine: a model directory, ``builtin``, or a
+"""Loading a causal LM for the embedded engine: a model directory or a
 randomly initialised Qwen2 of a named size (benchmarks; nothing is downloaded)."""
 
 from __future__ import annotations
@@ -53,16 +53,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """``builtin`` → the locally built tiny model's directory; anything else is a path."""
-    if model == "builtin":
-        from tailcut.models.command import resolve_model
-
-        return resolve_model(model)  # built on first use, then cached by content hash
+    """``model`` as a Hugging Face model directory (the caller resolves ``builtin`` first:
+    ``tailcut.models.resolve``)."""
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model {model!r} is not a Hugging Face model directory (no config.json), nor "
-            f"'builtin', nor one of {', '.join(RANDOM_QWEN2)}"
+            f"model {model!r} is not a Hugging Face model directory (no config.json), nor one "
+            f"of {', '.join(RANDOM_QWEN2)}; 'builtin' is resolved to its directory by the "
+            "command that builds the engine"
         )
     return path
 
@@ -83,7 +81,7 @@ def random_qwen2(name: str, *, seed: int = 0, device: str = "auto", dtype: str =
 
 
 def load_causal_lm(model: str, *, device: str = "auto", dtype: str = "auto") -> Any:
-    """Load ``model`` (directory, ``builtin`` or a ``random-*`` name) for the embedded engine."""
+    """Load ``model`` (a directory or a ``random-*`` name) for the embedded engine."""
     if model in RANDOM_QWEN2:
         return random_qwen2(model, device=device, dtype=dtype)
     from transformers import AutoModelForCausalLM

@@ -46,7 +46,7 @@ def train(
 async def _run(cfg: TrainConfig, console: Console) -> TrainSummary:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tailcut.train.build import build_setup
+    from tailcut.app.train_setup import build_setup
     from tailcut.train.plots import plot_run
     from tailcut.train.trainer import Trainer
 

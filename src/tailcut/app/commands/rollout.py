@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 
-POLICIES = ("wait-all", "target-count", "over-provision", "group-quota", "deadline")
-ENGINES = ("hf", "sim", "sglang", "vllm")
+from tailcut.engine.factory import ENGINES as ENGINE_REGISTRY
+from tailcut.rollout.cutoff import POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,111 +51,50 @@ def make_samples(rows: list[Any], n_launch: int, group_size: int, seed: int) -> 
 
     from tailcut.types import Sample
 
-    n_groups = math.ceil(n_launch / group_size)
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
-    samples = []
-    for i in range(n_launch):
-        group = i // group_size
-        row = rows[order[group % len(order)]]
-        data = row.as_data()
-        # verl's columns too, which the reward functions read.
-        data["reward_model"] = {
-            "style": row.reward_style or "rule",
-            "ground_truth": row.ground_truth,
-        }
-        data["extra_info"] = row.extra_info
-        samples.append(Sample(index=i, group=group, data=data))
-    assert n_groups == samples[-1].group + 1
-    return samples
+    return [
+        Sample(
+            index=i,
+            group=i // group_size,
+            data=rows[order[(i // group_size) % len(order)]].as_data(),
+        )
+        for i in range(n_launch)
+    ]
 
 
 def make_toolset(opts: RolloutOptions, rows: list[Any]) -> Any:
-    """``--tools``, else ``tools.yaml`` beside the data, else the tools the rows name."""
-    from tailcut.tools.base import ToolSet
-    from tailcut.tools.registry import load_tool_config
+    """``--tools``, else ``tools.yaml`` beside the data, else the registered tools the rows name."""
+    from tailcut.tools.registry import TOOLS, load_tool_config, tools_by_name
 
     path = opts.tools or (opts.data.parent / "tools.yaml")
     if opts.tools is not None or path.is_file():
         return load_tool_config(path)
-    tools: dict[str, Any] = {}
-    for name in sorted({n for r in rows for n in r.tools_kwargs}):
-        if name == "calculator":
-            from tailcut.tools.calculator import CalculatorTool
-
-            tools[name] = CalculatorTool()
-        elif name == "calc_gsm8k_reward":
-            from tailcut.tools.gsm8k import Gsm8kTool
-
-            tools[name] = Gsm8kTool()
-    return ToolSet(tools)
-
-
-def make_reward(registry: Any, data_sources: set[str]) -> tuple[Any, str | None]:
-    """The agent loop's reward fn, or None (with the reason) when a data source has none."""
-    from tailcut.models.arith import DATA_SOURCE as ARITH
-    from tailcut.reward.registry import RewardError, sample_reward_fn
-
-    name = None
-    for source in sorted(data_sources):
-        try:
-            registry.resolve(None, source)
-        except RewardError as exc:
-            if source != ARITH:
-                return None, str(exc)
-            name = "gsm8k"  # the arithmetic task answers after '####', as GSM8K does
-    return sample_reward_fn(registry, name), None
+    return tools_by_name(sorted({n for r in rows for n in r.tools_kwargs} & set(TOOLS)))
 
 
 async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     """Run one step; return the summary (the trace goes to ``trace_dir``)."""
-    from transformers import AutoTokenizer
-
-    from tailcut.chat.template import ChatTokenizer
-    from tailcut.config import AgentLoopConfig, CutoffConfig, EngineConfig, HFEngineConfig
+    from tailcut.app.wiring import engine_for, model_dir
+    from tailcut.config import CutoffConfig
     from tailcut.data.verl import load_prompts
-    from tailcut.engine.factory import make_engine
-    from tailcut.models.command import resolve_model
-    from tailcut.reward.registry import default_registry
-    from tailcut.rollout.agent_loop import AgentLoop
+    from tailcut.reward.registry import RewardFn
     from tailcut.rollout.cutoff import make_policy
     from tailcut.rollout.scheduler import run_step
     from tailcut.trace.events import Tracer
 
-    model_dir = resolve_model(opts.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = model_dir(opts.model, "--model")
     prompts = load_prompts(opts.data)
     cutoff = CutoffConfig(
-        policy=opts.policy,
-        abort_ratio=opts.abort_ratio,
-        over_provision=opts.over_provision,
-        deadline_s=opts.deadline_s,
-    )
+        policy=opts.policy, abort_ratio=opts.abort_ratio,
+        over_provision=opts.over_provision, deadline_s=opts.deadline_s,
+    )  # fmt: skip
     policy = make_policy(cutoff, opts.requests, opts.group_size)
     samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
-    registry = default_registry(math_workers=1)
-    reward_fn, no_reward = make_reward(registry, {r.data_source for r in prompts.rows})
-    agent = AgentLoop(
-        cast(ChatTokenizer, tokenizer),
-        AgentLoopConfig(
-            max_turns=opts.max_turns,
-            max_new_tokens=opts.max_new_tokens,
-            temperature=opts.temperature,
-        ),
-        toolset=make_toolset(opts, prompts.rows),
-        reward_fn=reward_fn,
-    )
-    engine = make_engine(
-        EngineConfig(
-            kind=opts.engine,
-            model=str(model_dir),
-            urls=list(opts.urls),
-            device=opts.device,
-            max_batch_size=opts.max_batch_size,
-            abort_deadline_s=opts.abort_deadline_s,
-            hf=HFEngineConfig(seed=opts.seed),
-        )
-    )
+    reward = RewardFn()
+    no_reward = reward.unscorable(r.data_source for r in prompts.rows)
+    agent = _agent_loop(opts, path, make_toolset(opts, prompts.rows), None if no_reward else reward)
+    engine = engine_for(_engine_config(opts, path), path)
     loop = asyncio.get_running_loop()
     try:
         with Tracer.for_step(trace_dir, 0, 0, clock=loop.time) as tracer:
@@ -167,8 +105,31 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         left = await engine.in_flight()
     finally:
         await engine.aclose()
-        await registry.aclose()
-    return summarize(opts, model_dir, result, stats, left, no_reward)
+        await reward.aclose()
+    return summarize(opts, path, result, stats, left, no_reward)
+
+
+def _agent_loop(opts: RolloutOptions, path: Path, toolset: Any, reward: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from tailcut.config import AgentLoopConfig
+    from tailcut.rollout.agent_loop import AgentLoop
+
+    cfg = AgentLoopConfig(
+        max_turns=opts.max_turns, max_new_tokens=opts.max_new_tokens, temperature=opts.temperature
+    )
+    tokenizer: Any = AutoTokenizer.from_pretrained(path)
+    return AgentLoop(tokenizer, cfg, toolset=toolset, reward_fn=reward)
+
+
+def _engine_config(opts: RolloutOptions, path: Path) -> Any:
+    from tailcut.config import EngineConfig, HFEngineConfig
+
+    return EngineConfig(
+        kind=opts.engine, model=str(path), urls=list(opts.urls), device=opts.device,
+        max_batch_size=opts.max_batch_size, abort_deadline_s=opts.abort_deadline_s,
+        hf=HFEngineConfig(seed=opts.seed),
+    )  # fmt: skip
 
 
 def summarize(
@@ -251,68 +212,61 @@ def render_summary(summary: dict[str, Any]) -> Any:
     return table
 
 
+ENGINES = [k for k in ENGINE_REGISTRY if k != "sim"]
+"""Engines a rollout step runs on (the simulated engine plays workloads: ``tailcut bench``)."""
+
+Data = Annotated[Path, typer.Option(help="verl-format parquet file with the prompts.")]
+EngineOpt = Annotated[str, typer.Option(help=f"Engine: {', '.join(ENGINES)}.")]
+Model = Annotated[str, typer.Option(help="'builtin' or a Hugging Face model directory.")]
+Requests = Annotated[
+    int,
+    typer.Option(min=1, max=100_000, help="Samples the step wants (the policy may launch more)."),
+]
+Policy = Annotated[str, typer.Option(help=f"Cut-off policy: {', '.join(POLICIES)}.")]
+GroupSize = Annotated[int, typer.Option(min=1, max=1024, help="Samples per prompt (GRPO group).")]
+AbortRatio = Annotated[
+    float, typer.Option(min=0.0, max=0.99, help="target-count: share of launched samples to abort.")
+]
+OverProvision = Annotated[
+    float,
+    typer.Option(min=0.0, max=4.0, help="over-provision / group-quota: extra share launched."),
+]
+DeadlineS = Annotated[
+    float | None, typer.Option(min=0.001, help="deadline: fixed deadline in seconds.")
+]
+Tools = Annotated[
+    Path | None, typer.Option(help="verl tool-config YAML (default: tools.yaml beside the data).")
+]
+Urls = Annotated[list[str] | None, typer.Option(help="Server URL for sglang / vllm (repeatable).")]
+Device = Annotated[str, typer.Option(help="hf engine device: auto, cpu, cuda.")]
+MaxTurns = Annotated[
+    int, typer.Option(min=1, max=1000, help="Most assistant turns per trajectory.")
+]
+MaxNewTokens = Annotated[
+    int, typer.Option(min=1, max=1_000_000, help="Most tokens sampled per turn.")
+]
+Temperature = Annotated[float, typer.Option(min=0.0, max=10.0, help="Sampling temperature.")]
+MaxBatch = Annotated[
+    int, typer.Option(min=1, max=4096, help="hf engine: most sequences decoded together.")
+]
+Seed = Annotated[int, typer.Option(min=0, help="Seeds the prompt order and the sampling.")]
+TraceDir = Annotated[
+    Path | None, typer.Option(help="Write the step's trace here (kept; else a temporary one).")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the summary and the tail as JSON.")]
+
+
 def rollout(
-    data: Annotated[Path, typer.Option(help="verl-format parquet file with the prompts.")],
-    engine: Annotated[
-        str, typer.Option(help=f"Engine: {', '.join(ENGINES[:1] + ENGINES[2:])}.")
-    ] = "hf",
-    model: Annotated[
-        str, typer.Option(help="'builtin' or a Hugging Face model directory.")
-    ] = "builtin",
-    requests: Annotated[
-        int,
-        typer.Option(
-            min=1, max=100_000, help="Samples the step wants (the policy may launch more)."
-        ),
-    ] = 64,
-    policy: Annotated[
-        str, typer.Option(help=f"Cut-off policy: {', '.join(POLICIES)}.")
-    ] = "target-count",
-    group_size: Annotated[
-        int, typer.Option(min=1, max=1024, help="Samples per prompt (GRPO group).")
-    ] = 1,
-    abort_ratio: Annotated[
-        float,
-        typer.Option(min=0.0, max=0.99, help="target-count: share of launched samples to abort."),
-    ] = 0.1,
-    over_provision: Annotated[
-        float,
-        typer.Option(min=0.0, max=4.0, help="over-provision / group-quota: extra share launched."),
-    ] = 0.1,
-    deadline_s: Annotated[
-        float | None, typer.Option(min=0.001, help="deadline: fixed deadline in seconds.")
-    ] = None,
-    tools: Annotated[
-        Path | None,
-        typer.Option(help="verl tool-config YAML (default: tools.yaml beside the data)."),
-    ] = None,
-    url: Annotated[
-        list[str] | None, typer.Option(help="Server URL for sglang / vllm (repeatable).")
-    ] = None,
-    device: Annotated[str, typer.Option(help="hf engine device: auto, cpu, cuda.")] = "auto",
-    max_turns: Annotated[
-        int, typer.Option(min=1, max=1000, help="Most assistant turns per trajectory.")
-    ] = 12,
-    max_new_tokens: Annotated[
-        int, typer.Option(min=1, max=1_000_000, help="Most tokens sampled per turn.")
-    ] = 128,
-    temperature: Annotated[
-        float, typer.Option(min=0.0, max=10.0, help="Sampling temperature.")
-    ] = 1.0,
-    max_batch_size: Annotated[
-        int, typer.Option(min=1, max=4096, help="hf engine: most sequences decoded together.")
-    ] = 64,
-    seed: Annotated[int, typer.Option(min=0, help="Seeds the prompt order and the sampling.")] = 0,
-    trace_dir: Annotated[
-        Path | None, typer.Option(help="Write the step's trace here (kept; else a temporary one).")
-    ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the summary and the tail as JSON.")
-    ] = False,
-) -> None:
+    data: Data, engine: EngineOpt = "hf", model: Model = "builtin", requests: Requests = 64,
+    policy: Policy = "target-count", group_size: GroupSize = 1, abort_ratio: AbortRatio = 0.1,
+    over_provision: OverProvision = 0.1, deadline_s: DeadlineS = None, tools: Tools = None,
+    url: Urls = None, device: Device = "auto", max_turns: MaxTurns = 12,
+    max_new_tokens: MaxNewTokens = 128, temperature: Temperature = 1.0,
+    max_batch_size: MaxBatch = 64, seed: Seed = 0, trace_dir: TraceDir = None,
+    as_json: AsJson = False,
+) -> None:  # fmt: skip
     """Run one over-sampled multi-turn rollout step on a real model and print how it went."""
     from tailcut.data.verl import DataError
-    from tailcut.models.command import ModelNotFoundError
     from tailcut.rollout.scheduler import StepFailed
     from tailcut.tools.registry import ToolConfigError
 
@@ -320,9 +274,9 @@ def rollout(
         raise typer.BadParameter(
             f"{policy!r} is not one of {', '.join(POLICIES)}", param_hint="--policy"
         )
-    if engine not in ENGINES or engine == "sim":
+    if engine not in ENGINES:
         raise typer.BadParameter(
-            f"{engine!r} is not one of hf, sglang, vllm", param_hint="--engine"
+            f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine"
         )
     opts = RolloutOptions(
         engine=engine, model=model, data=data, requests=requests, policy=policy, group_size=group_size,
@@ -334,7 +288,7 @@ def rollout(
         where = trace_dir or Path(tmp)
         try:
             summary = asyncio.run(run_rollout(opts, where))
-        except (DataError, ModelNotFoundError, ToolConfigError, StepFailed, ValueError) as exc:
+        except (DataError, ToolConfigError, StepFailed, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         _print(summary, where, keep=trace_dir is not None, as_json=as_json)

@@ -34,9 +34,9 @@ import torch
 
 from tailcut.config import HFEngineConfig
 from tailcut.engine.base import EngineDied, EngineError, EngineStats
-from tailcut.engine.hf_cache import SlotKVCache, kv_shape_for
-from tailcut.engine.hf_records import Command, Counters, Live, Waiter, post
-from tailcut.engine.hf_step import PassRunner
+from tailcut.engine.hf.cache import SlotKVCache, kv_shape_for
+from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
+from tailcut.engine.hf.step import PassRunner
 from tailcut.types import FinishReason, GenerateResult
 
 log = logging.getLogger(__name__)

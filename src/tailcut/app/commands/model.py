@@ -1,9 +1,4 @@
-"""``tailcut model``: build and locate the built-in model; ``resolve_model`` for engines.
-
-``resolve_model("builtin")`` returns the cached build of the default recipe, building it
-first when it is missing (a file lock keeps concurrent callers from building twice); any
-other value must be a Hugging Face model directory.
-"""
+"""``tailcut model``: build and locate the built-in model (``models/resolve.py`` resolves)."""
 
 from __future__ import annotations
 
@@ -13,36 +8,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from tailcut.models.resolve import BUILTIN, ModelNotFoundError, resolve_model
+
 if TYPE_CHECKING:
     from tailcut.models.build import BuildResult, Progress
-
-BUILTIN = "builtin"
 
 model_app = typer.Typer(
     name="model",
     help="Build and locate the built-in tiny model.",
     no_args_is_help=True,
 )
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model spec that is neither ``builtin`` nor a model directory."""
-
-
-def resolve_model(spec: str | Path, *, progress: Progress | None = None) -> Path:
-    """The model directory for ``spec``: ``builtin`` (built if missing) or a directory."""
-    if str(spec) == BUILTIN:
-        from tailcut.models.build import ensure_built
-
-        return ensure_built(progress=progress).path
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise ModelNotFoundError(
-            f"model {str(spec)!r}: no such directory (give 'builtin' or a Hugging Face model directory)"
-        )
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"model {str(spec)!r}: {path / 'config.json'} is missing")
-    return path
 
 
 def _progress_bar() -> tuple[Any, Progress]:

@@ -1,4 +1,4 @@
-"""Supervisor of one sandboxed program (run as ``python -I -S sandbox_launcher.py SPEC``).
+"""Supervisor of one sandboxed program (run as ``python -I -S launcher.py SPEC``).
 
 Standard library only: it runs before any site packages are importable. The parent
 (:mod:`tailcut.tools.sandbox`) passes a JSON spec and an "info" pipe; this process

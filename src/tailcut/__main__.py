@@ -1,0 +1,5 @@
+"""``python -m tailcut``: the same command line as ``tailcut``."""
+
+from tailcut.app.cli import main
+
+main()

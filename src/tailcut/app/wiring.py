@@ -1,0 +1,29 @@
+"""Wiring the commands share: a model spec → its directory, an engine config → an engine
+that serves that directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tailcut.config import EngineConfig
+from tailcut.engine.base import BaseEngine
+from tailcut.engine.factory import make_engine
+from tailcut.models.resolve import ModelNotFoundError, resolve_model
+
+
+def model_dir(spec: str, where: str = "engine.model") -> Path:
+    """``builtin`` → the built-in model (built on first use); anything else is a directory.
+    A bad spec is a ``ValueError`` naming the option (``where``)."""
+    try:
+        return resolve_model(spec)
+    except ModelNotFoundError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def engine_for(cfg: EngineConfig, path: Path) -> BaseEngine:
+    """The configured engine for the model in ``path``: the embedded engine loads it; SGLang /
+    vLLM servers serve ``cfg.model`` themselves (the trainer has them load each new policy,
+    ``train/weight_sync.py``)."""
+    if cfg.kind == "hf":
+        cfg = cfg.model_copy(update={"model": str(path)})
+    return make_engine(cfg)

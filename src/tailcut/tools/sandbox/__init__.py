@@ -1,0 +1,44 @@
+"""Local code sandbox: one Python program in a separate, limited, isolated process.
+
+Each run gets a fresh temp directory and a supervisor process
+(:mod:`tailcut.tools.sandbox.launcher`) that starts ``python -I -u main.py`` with
+
+* rlimits on CPU time, address space, file size, open files and processes;
+* an unprivileged uid when tailcut runs as root (root ignores ``RLIMIT_NPROC``), one uid
+  per concurrent run, plus a pids cgroup where the hierarchy is writable;
+* new network (no interfaces but a down loopback), pid and mount namespaces where the
+  kernel allows — as a normal user through a user namespace. What could not be isolated
+  is said in :attr:`SandboxResult.isolation` (and logged once);
+* a read-only view of the file system except its work dir and a private ``/tmp``.
+
+stdout and stderr are read concurrently; each keeps its first ``max_output_bytes`` and
+the run is killed once it has written ``kill_output_bytes``. On a timeout, an output
+overflow, a cancel, or when the program ends, every process it started is killed —
+also ones that left its process group — and the temp dir is removed.
+
+Modules: :mod:`~tailcut.tools.sandbox.config` (:class:`SandboxConfig`),
+:mod:`~tailcut.tools.sandbox.local` (:class:`LocalSandbox`),
+:mod:`~tailcut.tools.sandbox.run` (one run: prepare, spawn, supervise, tear down),
+:mod:`~tailcut.tools.sandbox.launcher` (the supervisor, run as a script, standard library
+only), :mod:`~tailcut.tools.sandbox.procs` (host-side process bookkeeping: kill, pids
+cgroup, uid pool) and :mod:`~tailcut.tools.sandbox.result` (what a run gives back, shared
+with the Sandbox Fusion client).
+"""
+
+from tailcut.tools.sandbox.config import SandboxConfig
+from tailcut.tools.sandbox.local import LocalSandbox
+from tailcut.tools.sandbox.result import (
+    SandboxError,
+    SandboxResult,
+    SandboxStatus,
+    looks_like_memory_error,
+)
+
+__all__ = [
+    "LocalSandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxResult",
+    "SandboxStatus",
+    "looks_like_memory_error",
+]

@@ -1,0 +1,52 @@
+"""Limits and isolation settings of the local code sandbox."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SandboxConfig(BaseModel):
+    """Limits and isolation of the local code sandbox."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    python: str | None = None
+    """Interpreter that runs the code (default: the one running tailcut)."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Wall-clock limit of one run."""
+    cpu_time_s: float | None = Field(None, gt=0, le=3600)
+    """CPU-time limit (RLIMIT_CPU); default: the wall-clock limit rounded up."""
+    memory_mb: int = Field(1024, ge=32, le=1_048_576)
+    """Address-space limit per process (RLIMIT_AS)."""
+    max_file_mb: int = Field(16, ge=1, le=1_048_576)
+    """Largest file the program may write (RLIMIT_FSIZE)."""
+    max_processes: int = Field(32, ge=1, le=4096)
+    """Most processes/threads at once (RLIMIT_NPROC for its uid, and the pids cgroup)."""
+    max_open_files: int = Field(256, ge=16, le=65536)
+    """RLIMIT_NOFILE."""
+    max_output_bytes: int = Field(65_536, ge=256, le=64 * 2**20)
+    """Bytes of stdout and of stderr kept in the result (the rest is counted, not kept)."""
+    kill_output_bytes: int = Field(8 * 2**20, ge=1024, le=2**34)
+    """The program is killed (status ``killed``) once it has written this much."""
+    use_namespaces: bool = True
+    """Use pid / mount (and network) namespaces where the kernel allows. Off: processes
+    are tracked by the supervisor and /proc only, and the file system is shared."""
+    isolate_network: bool = True
+    """Run in a new network namespace (no network at all)."""
+    require_network_isolation: bool = False
+    """Refuse to run (SandboxError) where no network namespace can be created."""
+    allow_root_fallback: bool = False
+    """As root, where no unprivileged uid can run the interpreter: run the code as root
+    without capabilities instead of refusing. Unsafe without a mount namespace."""
+    use_cgroup: bool = True
+    """Put each run in its own pids cgroup where the hierarchy is writable."""
+    uid_base: int = Field(57_000, ge=1000, le=2**31)
+    """First of the unprivileged uids runs get when tailcut runs as root."""
+    uid_count: int = Field(1000, ge=1, le=100_000)
+    """How many uids runs may use at once (at least the concurrency)."""
+    max_concurrency: int = Field(16, ge=1, le=4096)
+    """Runs at once in one sandbox object."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the program."""
+    tmp_dir: str | None = None
+    """Where run directories are made (default: the system temp dir)."""
