@@ -3,7 +3,7 @@
 ``local``: N workers on the trainer's event loop, all driving the setup's engine (the
 engine the trainer syncs weights into) with the setup's rollout fn.
 ``ray``: one Ray actor per worker, each building its engine and rollout fn from the
-setup's picklable :class:`~tailcut.rollout.workers.WorkerRecipe` (``train/build.py``
+setup's picklable :class:`~tailcut.rollout.workers.WorkerRecipe` (``app/train_setup.py``
 gives one for SGLang / vLLM servers, which the trainer syncs directly; the embedded engine
 lives in this process and cannot be shared with actors). Ray is started when it is not
 yet (``ray.init``: the cluster at ``RAY_ADDRESS``, else a local one).

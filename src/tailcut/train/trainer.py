@@ -60,7 +60,7 @@ from tailcut.types import Sample
 
 @dataclass
 class TrainSetup:
-    """What the loop drives; ``train/build.py`` makes it from the config, tests make their own."""
+    """What the loop drives; ``app/train_setup.py`` makes it from the config, tests make their own."""
 
     actor: Actor
     engine: Engine

@@ -268,9 +268,33 @@ def _fmt(value: float | int | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+TIMING_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("step_time_s", 2), ("oracle_s", 2), ("ratio_to_oracle", 3), ("bound_s", 2),
+    ("kth_completion_s", 2), ("samples_per_s", 2), ("speedup_vs_wait_all", 2),
+)  # fmt: skip
+"""Columns of the step-time table: a row's field and the digits it is shown with."""
+CUT_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("launched", 2), ("kept", 2), ("completed", 2), ("aborted", 2), ("failed", 2),
+    ("wasted_tokens", 2), ("abort_to_idle_ms", 3), ("cut_to_settled_ms", 2),
+    ("overhead_us_per_request", 1),
+)  # fmt: skip
+
+
+def _rows_table(title: str, columns: tuple[tuple[str, int], ...], report: BenchReport) -> Any:
+    """One row per policy, the named fields of each."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("policy", justify="left")
+    for col, _ in columns:
+        table.add_column(col, justify="right")
+    for r in report.rows:
+        table.add_row(r.policy, *(_fmt(getattr(r, col), digits) for col, digits in columns))
+    return table
+
+
 def render(report: BenchReport, console: Console | None = None) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = console or Console()
     if console is None and not con.is_terminal:
@@ -288,55 +312,8 @@ def render(report: BenchReport, console: Console | None = None) -> None:
     )
     if report.calibration:
         con.print(_calibration_table(report.calibration))
-    timing = Table(title="step time (virtual s) — one run, every policy")
-    for col in (
-        "policy",
-        "step_time_s",
-        "oracle_s",
-        "ratio_to_oracle",
-        "bound_s",
-        "kth_completion_s",
-        "samples_per_s",
-        "speedup_vs_wait_all",
-    ):
-        timing.add_column(col, justify="left" if col == "policy" else "right")
-    cut = Table(title="cut (real time of the code under test)")
-    for col in (
-        "policy",
-        "launched",
-        "kept",
-        "completed",
-        "aborted",
-        "failed",
-        "wasted_tokens",
-        "abort_to_idle_ms",
-        "cut_to_settled_ms",
-        "overhead_us_per_request",
-    ):
-        cut.add_column(col, justify="left" if col == "policy" else "right")
-    for r in report.rows:
-        timing.add_row(
-            r.policy,
-            _fmt(r.step_time_s),
-            _fmt(r.oracle_s),
-            _fmt(r.ratio_to_oracle, 3),
-            _fmt(r.bound_s),
-            _fmt(r.kth_completion_s),
-            _fmt(r.samples_per_s),
-            _fmt(r.speedup_vs_wait_all),
-        )
-        cut.add_row(
-            r.policy,
-            _fmt(r.launched),
-            _fmt(r.kept),
-            _fmt(r.completed),
-            _fmt(r.aborted),
-            _fmt(r.failed),
-            _fmt(r.wasted_tokens),
-            _fmt(r.abort_to_idle_ms, 3),
-            _fmt(r.cut_to_settled_ms, 2),
-            _fmt(r.overhead_us_per_request, 1),
-        )
+    timing = _rows_table("step time (virtual s) — one run, every policy", TIMING_COLUMNS, report)
+    cut = _rows_table("cut (real time of the code under test)", CUT_COLUMNS, report)
     con.print(timing)
     con.print(cut)
     bad = [r.policy for r in report.rows if r.bound_s > r.oracle_s + 1e-9]
