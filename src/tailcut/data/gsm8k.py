@@ -10,14 +10,13 @@ Reads the original GSM8K JSONL files (``train.jsonl``, ``test.jsonl``: one
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tailcut.data.verl import DataError, write_rows
+from tailcut.jsonl import read_jsonl
 
 DATA_SOURCE = "openai/gsm8k"
 AGENT_NAME = "tool_agent"
@@ -51,20 +50,6 @@ def extract_answer(answer: str) -> str:
     return match.group(1).replace(",", "")
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected an object, got {type(rec).__name__}")
-            yield lineno, rec
-
-
 def make_row(
     question: str, answer: str, split: str, index: int, prompts: Prompts
 ) -> dict[str, Any]:
@@ -96,7 +81,7 @@ def convert_split(path: Path, split: str, prompts: Prompts | None = None) -> lis
     """All rows of one GSM8K JSONL file; errors name the file and line."""
     prompts = prompts or Prompts()
     rows: list[dict[str, Any]] = []
-    for lineno, rec in _records(path):
+    for lineno, rec in read_jsonl(path, DataError):
         question, answer = rec.get("question"), rec.get("answer")
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{path}:{lineno}: 'question' missing or empty")

@@ -23,6 +23,8 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import IO, Any
 
+from tailcut.jsonl import read_jsonl
+
 
 class EventKind(StrEnum):
     REQUEST_START = "request_start"
@@ -280,14 +282,7 @@ NULL_TRACER = Tracer(None, step=0)
 def read_trace(path: Path) -> list[dict[str, Any]]:
     """Read and validate a JSONL trace file; errors name the file and line."""
     out: list[dict[str, Any]] = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceSchemaError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            validate_record(rec, f"{path}:{lineno}")
-            out.append(rec)
+    for lineno, rec in read_jsonl(path, TraceSchemaError):
+        validate_record(rec, f"{path}:{lineno}")
+        out.append(rec)
     return out
