@@ -233,16 +233,16 @@ def run_hf_bench(
     warm-up, outside the timed runs (``graphs.capture_s`` reports how long that took).
     ``model`` is a model directory or a ``random-*`` name (``tailcut bench`` resolves
     ``builtin``); ``arith_task`` (the built-in model) draws the ``lengths="eos"`` prompts
-    from its arithmetic task. ``sim_options`` takes the options of ``tailcut bench`` that only the simulated
-    benchmark uses (workload, policies, ...); they do not apply here and are ignored.
+    from its arithmetic task. ``sim_options`` takes the options of ``tailcut bench`` that
+    only the simulated benchmark uses; they do not apply here and are ignored.
     """
-    if lengths not in ("budget", "eos"):
-        raise ValueError(f"lengths {lengths!r} is not one of budget, eos")
-    requests = 256 if requests is None else requests
     import torch
 
     from tailcut.engine.hf.load import load_causal_lm
 
+    if lengths not in ("budget", "eos"):
+        raise ValueError(f"lengths {lengths!r} is not one of budget, eos")
+    requests = 256 if requests is None else requests
     if threads:
         torch.set_num_threads(threads)
     lm = load_causal_lm(model, device=device, dtype=dtype)
@@ -262,9 +262,8 @@ def run_hf_bench(
         torch_threads=torch.get_num_threads(), repeats=repeats,
     )  # fmt: skip
     if param.device.type == "cuda":
-        figures["memory"]["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(
-            param.device
-        )
+        memory = figures["memory"]
+        memory["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(param.device)
     _print(figures, json_out)
     return figures
 

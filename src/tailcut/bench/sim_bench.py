@@ -26,10 +26,11 @@ from tailcut.bench.oracle import SimRun, bound_s, oracle_s, simulate
 from tailcut.bench.sim_step import ScaleCut, overhead_us_per_request, run_policy_step, scale_cut
 from tailcut.bench.workloads import REFERENCE, Trajectory, Workload
 from tailcut.config import CutoffConfig, SimEngineConfig
-from tailcut.rollout.cutoff import CutoffPolicy, make_policy
+from tailcut.rollout.cutoff import POLICIES, CutoffPolicy, make_policy
 from tailcut.rollout.scheduler import StepResult
 
-POLICY_NAMES = ("wait-all", "target-count", "over-provision", "group-quota", "deadline")
+POLICY_NAMES = tuple(POLICIES)
+"""Every registered cut-off policy, in registry order."""
 WARMUP_STEP_BASE = 1_000_000
 """Warm-up steps draw workload steps from here on, apart from the measured ones."""
 

@@ -258,13 +258,6 @@ def merge(
                 launched=len(samples),
             )
         )
-    decided = coordinator.decided_at if coordinator else None
-    propagation = None
-    if decided is not None and any(t is not None for t in idles):
-        propagation = max(t for t in idles if t is not None) - decided
-    elif coordinator is None:  # each worker cut itself: its own cut-to-idle time
-        idle = [r.abort_to_idle_s for r in done if r.abort_to_idle_s is not None]
-        propagation = max(idle) if idle else None
     reasons = [r.cut_reason for r in done if r.cut_reason is not None]
     reason = coordinator.reason if coordinator else (reasons[0] if reasons else None)
     return StepResult(
@@ -273,7 +266,7 @@ def merge(
         step_time_s=max(times),
         cut_time_s=min(cuts) if cuts else None,
         cut_reason=reason,
-        abort_to_idle_s=propagation,
+        abort_to_idle_s=_propagation(coordinator, idles, done),
         cut_to_settled_s=max(settles) if settles else None,
         abort_rounds=max((r.abort_rounds for r in done), default=0),
         target_completion=sum(p.target_completion for p in plan.policies)
@@ -282,6 +275,18 @@ def merge(
         engine_stats=done[0].engine_stats if len(steps) == 1 and done else EngineStats(),
         counts=counts,
     )
+
+
+def _propagation(
+    coordinator: Coordinator | None, idles: Sequence[float | None], done: Sequence[StepResult]
+) -> float | None:
+    """Global cut: from the coordinator's decision to the last worker's engine idle. Cut by
+    each worker itself: the slowest worker's own cut-to-idle time."""
+    if coordinator is None:
+        idle = [r.abort_to_idle_s for r in done if r.abort_to_idle_s is not None]
+        return max(idle) if idle else None
+    at = [t for t in idles if t is not None]
+    return max(at) - coordinator.decided_at if coordinator.decided_at is not None and at else None
 
 
 def _idle_at(ws: WorkerResult) -> float | None:

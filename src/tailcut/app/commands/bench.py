@@ -9,98 +9,95 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from tailcut.rollout.cutoff import POLICIES
+
 if TYPE_CHECKING:
     from rich.console import Console
 
     from tailcut.bench.sim_bench import BenchReport
 
-POLICIES_HELP = "wait-all, target-count, over-provision, group-quota, deadline"
+POLICIES_HELP = ", ".join(POLICIES)
+
+EngineOpt = Annotated[
+    str, typer.Option(help="sim (simulated), hf (embedded model) or batch (batch assembly).")
+]
+WorkloadOpt = Annotated[str, typer.Option(help="Named workload: seed-gsm8k, skewed, outlier.")]
+Requests = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="N requests a step wants (default 1024, or the lengths file's count)."
+    ),
+]
+TargetFraction = Annotated[
+    float, typer.Option(min=0.05, max=1.0, help="Kept fraction F (target-count keeps int(N·F)).")
+]
+LengthsFile = Annotated[
+    Path | None, typer.Option(help="JSONL of per-request turns (overrides --workload).")
+]
+Steps = Annotated[int, typer.Option(min=1, help="Measured steps.")]
+TraceDir = Annotated[Path | None, typer.Option(help="Write each policy's trace to DIR/<policy>/.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+Seed = Annotated[int, typer.Option(help="Workload seed.")]
+GroupSize = Annotated[int, typer.Option(min=1, help="GRPO group size.")]
+WarmupSteps = Annotated[
+    int, typer.Option(min=0, help="Unmeasured steps a learning policy sees first.")
+]
+PolicyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--policy", help=f"Policies to run (repeat; default all: {POLICIES_HELP})."),
+]
+Overhead = Annotated[bool, typer.Option(help="Measure overhead_us_per_request.")]
+ScaleCut = Annotated[
+    int, typer.Option(min=0, help="Also cut a step with this many requests in flight (0: skip).")
+]
+DecodeA = Annotated[float | None, typer.Option(help="Sim: fixed cost a of a decode step (s).")]
+DecodeC = Annotated[
+    float | None, typer.Option(help="Sim: per-sequence cost c of a decode step (s).")
+]
+Prefill = Annotated[float | None, typer.Option(help="Sim: prefill cost per prompt token (s).")]
+KvCapacity = Annotated[int | None, typer.Option(help="Sim: KV-cache capacity (tokens).")]
+Model = Annotated[str, typer.Option(help="hf engine: model directory or 'builtin'.")]
+MaxNewTokens = Annotated[
+    int, typer.Option(min=1, help="hf: most new tokens per request (lengths heavy-tailed below).")
+]
+Device = Annotated[str, typer.Option(help="hf: auto, cpu or cuda.")]
+Concurrency = Annotated[
+    int, typer.Option(min=1, help="hf: requests in flight (and generate's batch size).")
+]
+Lengths = Annotated[
+    str, typer.Option(help="hf: budget (heavy-tailed, EOS ignored) or eos (the model's own).")
+]
+Repeats = Annotated[
+    int, typer.Option(min=1, help="hf: alternating engine/generate runs (median ratio).")
+]
+Threads = Annotated[int | None, typer.Option(min=1, help="hf: torch CPU threads.")]
+Workers = Annotated[
+    int,
+    typer.Option(
+        min=1, help="sim: with W > 1, compare cut scopes over W workers of unequal difficulty."
+    ),
+]
+Scope = Annotated[
+    list[str] | None,
+    typer.Option(help="With --workers: worker and/or global (repeat; default both)."),
+]
+Ray = Annotated[
+    bool, typer.Option("--ray", help="With --workers: also measure a global cut on Ray actors.")
+]
 
 
 def bench(
-    engine: Annotated[
-        str,
-        typer.Option(help="sim (simulated), hf (embedded model) or batch (batch assembly)."),
-    ] = "sim",
-    workload: Annotated[
-        str, typer.Option(help="Named workload: seed-gsm8k, skewed, outlier.")
-    ] = "seed-gsm8k",
-    requests: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="N requests a step wants (default 1024, or the lengths file's count)."
-        ),
-    ] = None,
-    target_fraction: Annotated[
-        float,
-        typer.Option(min=0.05, max=1.0, help="Kept fraction F (target-count keeps int(N·F))."),
-    ] = 0.9,
-    lengths_file: Annotated[
-        Path | None, typer.Option(help="JSONL of per-request turns (overrides --workload).")
-    ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Measured steps.")] = 1,
-    trace_dir: Annotated[
-        Path | None, typer.Option(help="Write each policy's trace to DIR/<policy>/.")
-    ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    group_size: Annotated[int, typer.Option(min=1, help="GRPO group size.")] = 16,
-    warmup_steps: Annotated[
-        int, typer.Option(min=0, help="Unmeasured steps a learning policy sees first.")
-    ] = 2,
-    policy: Annotated[
-        list[str] | None,
-        typer.Option("--policy", help=f"Policies to run (repeat; default all: {POLICIES_HELP})."),
-    ] = None,
-    overhead: Annotated[bool, typer.Option(help="Measure overhead_us_per_request.")] = True,
-    scale_cut: Annotated[
-        int,
-        typer.Option(min=0, help="Also cut a step with this many requests in flight (0: skip)."),
-    ] = 10_240,
-    decode_a_s: Annotated[
-        float | None, typer.Option(help="Sim: fixed cost a of a decode step (s).")
-    ] = None,
-    decode_c_s: Annotated[
-        float | None, typer.Option(help="Sim: per-sequence cost c of a decode step (s).")
-    ] = None,
-    prefill_s_per_token: Annotated[
-        float | None, typer.Option(help="Sim: prefill cost per prompt token (s).")
-    ] = None,
-    kv_capacity_tokens: Annotated[
-        int | None, typer.Option(help="Sim: KV-cache capacity (tokens).")
-    ] = None,
-    model: Annotated[
-        str, typer.Option(help="hf engine: model directory or 'builtin'.")
-    ] = "builtin",
-    max_new_tokens: Annotated[
-        int,
-        typer.Option(min=1, help="hf: most new tokens per request (lengths heavy-tailed below)."),
-    ] = 256,
-    device: Annotated[str, typer.Option(help="hf: auto, cpu or cuda.")] = "auto",
-    concurrency: Annotated[
-        int, typer.Option(min=1, help="hf: requests in flight (and generate's batch size).")
-    ] = 64,
-    lengths: Annotated[
-        str, typer.Option(help="hf: budget (heavy-tailed, EOS ignored) or eos (the model's own).")
-    ] = "budget",
-    repeats: Annotated[
-        int, typer.Option(min=1, help="hf: alternating engine/generate runs (median ratio).")
-    ] = 1,
-    threads: Annotated[int | None, typer.Option(min=1, help="hf: torch CPU threads.")] = None,
-    workers: Annotated[
-        int,
-        typer.Option(
-            min=1, help="sim: with W > 1, compare cut scopes over W workers of unequal difficulty."
-        ),
-    ] = 1,
-    scope: Annotated[
-        list[str] | None,
-        typer.Option(help="With --workers: worker and/or global (repeat; default both)."),
-    ] = None,
-    ray: Annotated[
-        bool, typer.Option("--ray", help="With --workers: also measure a global cut on Ray actors.")
-    ] = False,
-) -> None:
+    engine: EngineOpt = "sim", workload: WorkloadOpt = "seed-gsm8k", requests: Requests = None,
+    target_fraction: TargetFraction = 0.9, lengths_file: LengthsFile = None, steps: Steps = 1,
+    trace_dir: TraceDir = None, json_out: JsonOut = False, seed: Seed = 0,
+    group_size: GroupSize = 16, warmup_steps: WarmupSteps = 2, policy: PolicyOpt = None,
+    overhead: Overhead = True, scale_cut: ScaleCut = 10_240, decode_a_s: DecodeA = None,
+    decode_c_s: DecodeC = None, prefill_s_per_token: Prefill = None,
+    kv_capacity_tokens: KvCapacity = None, model: Model = "builtin",
+    max_new_tokens: MaxNewTokens = 256, device: Device = "auto", concurrency: Concurrency = 64,
+    lengths: Lengths = "budget", repeats: Repeats = 1, threads: Threads = None,
+    workers: Workers = 1, scope: Scope = None, ray: Ray = False,
+) -> None:  # fmt: skip
     """Benchmark every cut-off policy on one workload against the clairvoyant oracle."""
     if workers > 1:
         _multi(workers, requests or 1024, target_fraction, seed, scope, ray, json_out)
@@ -117,35 +114,32 @@ def bench(
         raise typer.BadParameter(
             f"unknown engine {engine!r}; use sim, hf or batch", param_hint="--engine"
         )
+    _sim(locals())
+
+
+def _sim(o: dict[str, Any]) -> None:
+    """Every policy on the simulated engine, one run (``bench/sim_bench.py``)."""
     from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, build_policy, run_sim_bench
     from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
     from tailcut.config import SimEngineConfig
 
-    overrides = {
-        "decode_a_s": decode_a_s,
-        "decode_c_s": decode_c_s,
-        "prefill_s_per_token": prefill_s_per_token,
-        "kv_capacity_tokens": kv_capacity_tokens,
-    }
+    sim_keys = ("decode_a_s", "decode_c_s", "prefill_s_per_token", "kv_capacity_tokens")
+    lengths_file, requests = o["lengths_file"], o["requests"]
     try:
-        engine_cfg = SimEngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+        engine_cfg = SimEngineConfig(**{k: o[k] for k in sim_keys if o[k] is not None})
         wl: Workload
         if lengths_file is not None:
             lf = LengthsFileWorkload.load(lengths_file)
             wl, n = lf, requests or lf.size(0)
         else:
-            wl, n = get_workload(workload, seed), requests or 1024
+            wl, n = get_workload(o["workload"], o["seed"]), requests or 1024
         opts = BenchOptions(
-            requests=n,
-            target_fraction=target_fraction,
-            steps=steps,
-            group_size=group_size,
-            warmup_steps=0 if lengths_file is not None else warmup_steps,
-            policies=tuple(policy) if policy else POLICY_NAMES,
-            trace_dir=trace_dir,
-            overhead=overhead,
-            scale_cut=scale_cut,
-        )
+            requests=n, target_fraction=o["target_fraction"], steps=o["steps"],
+            group_size=o["group_size"],
+            warmup_steps=0 if lengths_file is not None else o["warmup_steps"],
+            policies=tuple(o["policy"]) if o["policy"] else POLICY_NAMES,
+            trace_dir=o["trace_dir"], overhead=o["overhead"], scale_cut=o["scale_cut"],
+        )  # fmt: skip
         unknown = sorted(set(opts.policies) - set(POLICY_NAMES))
         if unknown:
             raise ValueError(f"unknown policy {', '.join(unknown)}; known: {POLICIES_HELP}")
@@ -159,7 +153,7 @@ def bench(
         report = run_sim_bench(wl, engine_cfg, opts)
     except (WorkloadError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    if json_out:
+    if o["json_out"]:
         print(json.dumps(report.to_json(), indent=2, default=str))
     else:
         render(report)
@@ -179,7 +173,6 @@ def _multi(
     import json
 
     from rich.console import Console
-    from rich.table import Table
 
     from tailcut.bench.multi import ray_propagation_ms, run_scopes
 
@@ -206,20 +199,7 @@ def _multi(
     if json_out:
         typer.echo(json.dumps(out, indent=2))
         return
-    table = Table(title=f"cut scope over {workers} workers of unequal difficulty (virtual s)")
-    for col in ScopeColumns:
-        table.add_column(col, justify="right" if col != "scope" else "left")
-    for r in rows:
-        table.add_row(
-            r.scope,
-            f"{r.step_time_s:.2f}",
-            f"{r.kept:,}",
-            f"{r.kept_per_s:.2f}",
-            f"{r.oracle_s:.2f}",
-            f"{r.ratio_to_oracle:.3f}",
-            f"{r.aborted:,}",
-            f"{r.wasted_tokens:,}",
-        )
+    table = _scope_table(workers, rows)
     console = Console()
     console.print(table)
     if "global_over_worker_kept_per_s" in out:
@@ -228,6 +208,21 @@ def _multi(
         )
     if ray:
         console.print(f"Ray: {out['ray']}")
+
+
+def _scope_table(workers: int, rows: list[Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"cut scope over {workers} workers of unequal difficulty (virtual s)")
+    for col in ScopeColumns:
+        table.add_column(col, justify="right" if col != "scope" else "left")
+    for r in rows:
+        table.add_row(
+            r.scope, f"{r.step_time_s:.2f}", f"{r.kept:,}", f"{r.kept_per_s:.2f}",
+            f"{r.oracle_s:.2f}", f"{r.ratio_to_oracle:.3f}", f"{r.aborted:,}",
+            f"{r.wasted_tokens:,}",
+        )  # fmt: skip
+    return table
 
 
 ScopeColumns = (
