@@ -11,8 +11,9 @@ from tailcut.bench.workloads import Trajectory, TurnSpec, get_workload, make_sam
 from tailcut.config import SimEngineConfig
 from tailcut.engine.sim import Select, SimEngine, SimFaults
 from tailcut.rollout.cutoff import CutoffPolicy, TargetCount, WaitAll
-from tailcut.rollout.scheduler import StepFailed, StepResult, run_step
+from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.scripted import ScriptedRollout
+from tailcut.rollout.step import StepFailed, StepResult
 from tailcut.trace.events import TERMINAL_EVENTS, Tracer, read_trace
 from tailcut.types import FinishReason, Status
 from tailcut.vtime import run_virtual

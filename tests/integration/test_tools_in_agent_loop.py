@@ -26,7 +26,8 @@ from tailcut.reward.registry import (
 )
 from tailcut.rollout.agent_loop import AgentLoop
 from tailcut.rollout.cutoff import TargetCount, WaitAll
-from tailcut.rollout.scheduler import StepResult, run_step
+from tailcut.rollout.scheduler import run_step
+from tailcut.rollout.step import StepResult
 from tailcut.tools.base import ToolSet
 from tailcut.tools.code_interpreter import CodeInterpreterConfig, CodeInterpreterTool
 from tailcut.tools.gsm8k import Gsm8kTool

@@ -19,7 +19,7 @@ from fakes.scripted_engine import ScriptedEngine
 from tailcut.engine.base import Engine
 from tailcut.reward.registry import RewardFn
 from tailcut.rollout.resume import ResumableAgentLoop
-from tailcut.rollout.scheduler import RolloutFn
+from tailcut.rollout.step import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.tools.calculator import CalculatorTool
 from tailcut.train.config import AgentLoopConfig

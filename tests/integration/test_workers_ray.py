@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples  # noqa: E402
 from tailcut.config import CutoffConfig, SimEngineConfig  # noqa: E402
 from tailcut.rollout.recipes import SimRecipe  # noqa: E402
-from tailcut.rollout.scheduler import StepFailed  # noqa: E402
+from tailcut.rollout.step import StepFailed  # noqa: E402
 from tailcut.types import Status  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

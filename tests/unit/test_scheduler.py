@@ -10,7 +10,8 @@ import pytest
 from fakes.timed_engine import TimedEngine
 from fakes.turns_rollout import TurnsRollout
 from tailcut.rollout.cutoff import Deadline, TargetCount, WaitAll
-from tailcut.rollout.scheduler import StepFailed, StepResult, run_step
+from tailcut.rollout.scheduler import run_step
+from tailcut.rollout.step import StepFailed, StepResult
 from tailcut.trace.events import TERMINAL_EVENTS, Tracer, read_trace
 from tailcut.types import (
     FinishReason,

@@ -9,7 +9,7 @@ from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.engine.sim import SimEngine, SimFaults
 from tailcut.rollout.cutoff import TargetCount, WaitAll
 from tailcut.rollout.recipes import SimRecipe
-from tailcut.rollout.scheduler import StepFailed, StepOptions
+from tailcut.rollout.step import StepFailed, StepOptions
 from tailcut.rollout.workers import (
     LocalWorkers,
     SharedRecipe,

@@ -17,7 +17,7 @@ from tailcut.engine.factory import make_engine
 from tailcut.engine.hf.load import resolve_device
 from tailcut.reward.registry import RewardFn
 from tailcut.rollout.resume import ResumableAgentLoop
-from tailcut.rollout.scheduler import RolloutFn
+from tailcut.rollout.step import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.train.actor import Actor
 from tailcut.train.config import DataConfig, TrainConfig

@@ -22,7 +22,7 @@ from tailcut.bench.oracle import simulate
 from tailcut.bench.workloads import Trajectory, TurnSpec, get_workload, make_samples
 from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.rollout.recipes import SimRecipe
-from tailcut.rollout.scheduler import StepResult
+from tailcut.rollout.step import StepResult
 from tailcut.rollout.workers import LocalWorkers, Workers
 from tailcut.vtime import run_virtual
 

@@ -27,7 +27,7 @@ from tailcut.bench.sim_step import ScaleCut, overhead_us_per_request, run_policy
 from tailcut.bench.workloads import REFERENCE, Trajectory, Workload
 from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.rollout.cutoff import POLICIES, CutoffPolicy, make_policy
-from tailcut.rollout.scheduler import StepResult
+from tailcut.rollout.step import StepResult
 
 POLICY_NAMES = tuple(POLICIES)
 """Every registered cut-off policy, in registry order."""

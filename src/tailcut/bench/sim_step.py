@@ -25,8 +25,9 @@ from tailcut.config import SimEngineConfig
 from tailcut.engine.base import BaseEngine
 from tailcut.engine.sim import SimEngine, placeholder_result
 from tailcut.rollout.cutoff import CutoffPolicy, Deadline
-from tailcut.rollout.scheduler import StepResult, run_step
+from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.scripted import ScriptedRollout
+from tailcut.rollout.step import StepResult
 from tailcut.trace.events import NULL_TRACER, Tracer
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult
 from tailcut.vtime import run_virtual

@@ -22,7 +22,7 @@ import ray
 
 from tailcut.config import CutoffConfig
 from tailcut.rollout.cutoff import CutoffPolicy
-from tailcut.rollout.scheduler import DEFAULT_STEP_OPTIONS, StepOptions, StepResult
+from tailcut.rollout.step import DEFAULT_STEP_OPTIONS, StepOptions, StepResult
 from tailcut.rollout.workers import (
     Coordinator,
     RolloutWorker,

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from tailcut.config import SimEngineConfig
 from tailcut.engine.base import Engine
 from tailcut.engine.sim import SimEngine, SimFaults
-from tailcut.rollout.scheduler import RolloutFn
 from tailcut.rollout.scripted import ScriptedRollout
+from tailcut.rollout.step import RolloutFn
 
 
 @dataclass(frozen=True)

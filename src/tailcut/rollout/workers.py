@@ -39,14 +39,13 @@ from typing import Protocol
 from tailcut.config import CutoffConfig
 from tailcut.engine.base import Engine, EngineStats
 from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
-from tailcut.rollout.scheduler import (
+from tailcut.rollout.scheduler import CutHandle, run_step
+from tailcut.rollout.step import (
     DEFAULT_STEP_OPTIONS,
-    CutHandle,
     RolloutFn,
     StepFailed,
     StepOptions,
     StepResult,
-    run_step,
 )
 from tailcut.rollout.worker_plan import WorkerPlan as WorkerPlan
 from tailcut.rollout.worker_plan import plan_for_policy as plan_for_policy

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailcut.engine.base import Engine
-from tailcut.rollout.scheduler import RolloutFn, StepOptions
+from tailcut.rollout.step import RolloutFn, StepOptions
 from tailcut.rollout.workers import LocalWorkers, SharedRecipe, WorkerRecipe, Workers
 from tailcut.train.config import TrainConfig
 

@@ -44,8 +44,9 @@ from tailcut.config import dump_config
 from tailcut.engine.base import Engine
 from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
 from tailcut.rollout.partial import PartialBuffer, TakeResult
-from tailcut.rollout.scheduler import RolloutFn, StepResult, run_step
+from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.seeds import TRAIN_STREAM, VALIDATION_STREAM, seed_samples
+from tailcut.rollout.step import RolloutFn, StepResult
 from tailcut.rollout.workers import WorkerRecipe, Workers, plan_for_policy
 from tailcut.trace.events import Tracer
 from tailcut.train import checkpoint as ckpt

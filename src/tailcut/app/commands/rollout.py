@@ -267,7 +267,7 @@ def rollout(
 ) -> None:  # fmt: skip
     """Run one over-sampled multi-turn rollout step on a real model and print how it went."""
     from tailcut.data.verl import DataError
-    from tailcut.rollout.scheduler import StepFailed
+    from tailcut.rollout.step import StepFailed
     from tailcut.tools.registry import ToolConfigError
 
     if policy not in POLICIES:
