@@ -45,6 +45,19 @@ class StepLike(Protocol):
     def wasted_tokens(self) -> int: ...
 
 
+class TakenLike(Protocol):
+    """The parts of the partial buffer's take result that metrics read."""
+
+    @property
+    def resumed(self) -> list[Sample]: ...
+
+    @property
+    def expired(self) -> int: ...
+
+    @property
+    def expired_tokens(self) -> int: ...
+
+
 def _mean(xs: Sequence[float]) -> float:
     return math.fsum(xs) / len(xs) if xs else 0.0
 
@@ -116,7 +129,9 @@ def audit_bias(samples: Sequence[Sample], n_keep: int) -> dict[str, float]:
 
 
 def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str, float]:
-    """Rollout figures of one step (see the trainer's metric list)."""
+    """Rollout figures of one step (see the trainer's metric list), its three training-reward
+    estimates, and on an audit step (``n_keep_audit``: what the policy would have kept) the
+    estimated speed-up and each estimator's bias."""
     samples = step.samples
     n = len(samples)
     status_count = dict.fromkeys(Status, 0)
@@ -153,6 +168,8 @@ def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str
         out["rollout/cut_time_s"] = step.cut_time_s
     if n_keep_audit is not None:
         out["rollout/speedup_est"] = speedup_estimate(samples, n_keep_audit, step.step_time_s)
+        out.update(audit_bias(samples, n_keep_audit))
+    out.update(estimate_rewards(samples).as_metrics())
     return out
 
 
@@ -186,14 +203,13 @@ def batch_metrics(batch: TrainBatch, adv: AdvantageResult) -> dict[str, float]:
     }
 
 
-def partial_metrics(
-    resumed: int, expired: int, expired_tokens: int, buffered: int, dropped_total: int
-) -> dict[str, float]:
-    """The partial-rollout buffer over one step (``cutoff.aborted=partial``)."""
+def partial_metrics(taken: TakenLike, buffered: int, dropped_total: int) -> dict[str, float]:
+    """The partial-rollout buffer over one step (``cutoff.aborted=partial``): what the step
+    took from it (``taken``), and what it holds after the step's deferred samples went in."""
     return {
-        "partial/resumed": float(resumed),
-        "partial/expired": float(expired),
-        "partial/expired_tokens": float(expired_tokens),
+        "partial/resumed": float(len(taken.resumed)),
+        "partial/expired": float(taken.expired),
+        "partial/expired_tokens": float(taken.expired_tokens),
         "partial/buffered": float(buffered),
         "partial/dropped_total": float(dropped_total),
     }

@@ -32,9 +32,7 @@ from rich.console import Console
 from tailcut.algo.advantage import compute_advantages
 from tailcut.algo.batch import BatchBuffers, assemble, keep_rows, plan_rows
 from tailcut.algo.metrics import (
-    audit_bias,
     batch_metrics,
-    estimate_rewards,
     partial_metrics,
     rollout_metrics,
     timing_metrics,
@@ -174,7 +172,8 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------
 
     async def _one_step(self, step: int) -> dict[str, float]:
-        """rollout → rows → advantages → batch → update → weight sync, in that order."""
+        """rollout → rows → advantages → batch → update → weight sync, in that order; each
+        stage adds its metrics (built in ``algo/metrics``) as it ends."""
         t0, reward_s0 = time.monotonic(), self._reward_s()
         self.fault(step, "rollout")
         taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
@@ -182,10 +181,13 @@ class Trainer:
         samples = self._launch(step, taken.resumed, policy.n_launch)
         audit = bool(self.cfg.cutoff.audit_every) and step % self.cfg.cutoff.audit_every == 0
         result = await self._rollout(step, samples, policy, audit)
-        n_keep = policy.would_keep(result.samples) if audit else None
+        metrics = rollout_metrics(result, policy.would_keep(result.samples) if audit else None)
+        metrics["rollout/audit"] = float(audit)
         t_rollout = time.monotonic()
         rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
         baselines = self.buffer.settle(step, rows) if self.partial else None
+        if self.partial:
+            metrics.update(partial_metrics(taken, len(self.buffer), self.buffer.dropped_total))
         a = self.cfg.algo
         adv = compute_advantages(
             rows.rewards, rows.groups, rows.valid, estimator=a.estimator,
@@ -193,28 +195,16 @@ class Trainer:
         )  # fmt: skip
         rows, advantages = keep_rows(rows, adv.advantages, adv.keep)
         batch = assemble(rows, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
+        metrics.update(batch_metrics(batch, adv))
         self.fault(step, "update")
-        update = await asyncio.to_thread(self.actor.update, batch)
+        metrics.update(await asyncio.to_thread(self.actor.update, batch))
+        metrics["train/version"] = float(self.actor.version)
         t_train = time.monotonic()
         self.fault(step, "sync")
-        sync = await self._sync_weights()
+        metrics.update(await self._sync_weights())
         phases = {"rollout": t_rollout - t0, "train": t_train - t_rollout}
         phases["sync"] = time.monotonic() - t_train
-        metrics = rollout_metrics(result, n_keep)
-        metrics.update(estimate_rewards(result.samples).as_metrics())
-        if n_keep is not None:
-            metrics.update(audit_bias(result.samples, n_keep))
-        if self.partial:
-            metrics.update(
-                partial_metrics(len(taken.resumed), taken.expired, taken.expired_tokens,
-                                len(self.buffer), self.buffer.dropped_total)
-            )  # fmt: skip
-        metrics.update(batch_metrics(batch, adv))
-        metrics.update(update)
-        metrics.update(sync)
         metrics.update(timing_metrics(phases, self._reward_s() - reward_s0))
-        metrics["train/version"] = float(self.actor.version)
-        metrics["rollout/audit"] = float(audit)
         return metrics
 
     def _reward_s(self) -> float:
