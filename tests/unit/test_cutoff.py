@@ -131,3 +131,20 @@ def test_quantile_matches_linear_interpolation():
     assert quantile([5.0], 0.9) == 5.0
     with pytest.raises(ValueError):
         quantile([], 0.5)
+
+
+def _finished(index: int, ended_at: float, status: Status = Status.COMPLETED) -> Sample:
+    return Sample(index=index, status=status, launched_at=0.0, ended_at=ended_at)
+
+
+def test_would_keep_answers_the_audit_question_per_policy():
+    """On an uncut step: how many samples the configured policy would have kept."""
+    step = [_finished(i, float(i + 1)) for i in range(9)] + [_finished(9, 10.0, Status.FAILED)]
+    assert WaitAll(10).would_keep(step) == 9  # every finished sample
+    assert TargetCount(10, 1, abort_ratio=0.3).would_keep(step) == 7  # its target
+    deadline = Deadline(10, min_fraction=0.2)
+    assert deadline.would_keep(step) == 9  # no deadline learned yet: wait for all
+    deadline.end(StepFeedback(step_time_s=4.0, cut=False, usable=10, launched=10))
+    # budget = 4.0 · 1.3 = 5.2 s: the five that ended by then
+    assert deadline.would_keep(step) == 5
+    assert Deadline(10, deadline_s=1.5, min_fraction=0.4).would_keep(step) == 4  # min_done

@@ -12,7 +12,7 @@ import pytest
 from tailcut.app.train_setup import arith_rows, load_rows, parquet_rows
 from tailcut.data import arith
 from tailcut.data.arith import make_row, write_dataset
-from tailcut.data.verl import read_rows
+from tailcut.data.verl import read_rows, sample_data
 from tailcut.reward.registry import RewardError, RewardFn
 from tailcut.train.config import DataConfig, load_train_config
 from tailcut.types import Sample
@@ -22,7 +22,7 @@ def test_trainer_arith_rows_are_the_data_command_rows() -> None:
     cfg = DataConfig(arith_max_steps=6)
     rows = arith_rows(5, 30, cfg, "train")
     problems = arith.generate_problems(5, 30, arith.TaskConfig(max_steps=6))
-    assert rows == [make_row(p, "train", i) for i, p in enumerate(problems)]
+    assert rows == [sample_data(make_row(p, "train", i), i) for i, p in enumerate(problems)]
     for row, p in zip(rows, problems, strict=True):
         assert row["data_source"] == "tailcut/arith" == arith.DATA_SOURCE
         assert row["reward_model"] == {"style": "rule", "ground_truth": str(p.answer)}

@@ -27,14 +27,14 @@ from tailcut.train.trainer import TrainSetup
 
 
 def arith_rows(seed: int, n: int, cfg: DataConfig, split: str = "train") -> list[dict[str, Any]]:
-    """The synthetic task's rows, exactly as ``tailcut data arith`` writes them (verl layout:
-    ``data_source``, ``prompt``, ``reward_model.ground_truth``, ``extra_info``)."""
+    """The synthetic task's rows as ``tailcut data arith`` writes them, converted to
+    ``Sample.data`` as a parquet file's rows are (:func:`~tailcut.data.verl.sample_data`)."""
     from tailcut.data import arith
+    from tailcut.data.verl import sample_data
 
     task = arith.TaskConfig(max_steps=cfg.arith_max_steps, tail_alpha=cfg.arith_tail_alpha)
-    return [
-        arith.make_row(p, split, i) for i, p in enumerate(arith.generate_problems(seed, n, task))
-    ]
+    problems = arith.generate_problems(seed, n, task)
+    return [sample_data(arith.make_row(p, split, i), i) for i, p in enumerate(problems)]
 
 
 def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
@@ -79,10 +79,7 @@ def make_actor(cfg: TrainConfig, path: Path) -> Actor:
 
     if cfg.actor.threads:
         torch.set_num_threads(cfg.actor.threads)
-    try:
-        device = resolve_device(cfg.actor.device)
-    except ValueError as exc:
-        raise ValueError(f"actor.device: {exc}") from None
+    device = resolve_device(cfg.actor.device, option="actor.device:")
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa"
     )
@@ -123,7 +120,7 @@ class TrainRecipe:
 def build_setup(cfg: TrainConfig) -> TrainSetup:
     from transformers import AutoTokenizer
 
-    path = model_dir(cfg.engine.model)
+    path = model_dir(cfg.engine.model, "engine.model")
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_rows, val_rows = load_rows(cfg, tokenizer)

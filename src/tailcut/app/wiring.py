@@ -11,13 +11,13 @@ from tailcut.engine.factory import make_engine
 from tailcut.models.resolve import ModelNotFoundError, resolve_model
 
 
-def model_dir(spec: str, where: str = "engine.model") -> Path:
+def model_dir(spec: str, where: str | None = None) -> Path:
     """``builtin`` → the built-in model (built on first use); anything else is a directory.
-    A bad spec is a ``ValueError`` naming the option (``where``)."""
+    A bad spec is a ``ValueError`` (naming the config field ``where``, when given)."""
     try:
         return resolve_model(spec)
     except ModelNotFoundError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+        raise ValueError(f"{where}: {exc}" if where else str(exc)) from None
 
 
 def engine_for(cfg: EngineConfig, path: Path) -> BaseEngine:

@@ -12,15 +12,16 @@ Output lengths (``lengths="budget"``) are drawn per request from a heavy-tailed 
 capped at ``max_new_tokens`` and enforced with ``ignore_eos`` (engine) / ``min_new_tokens``
 (generate), so the work is the same for any model, random or trained. With
 ``lengths="eos"`` both stop at the model's own EOS instead (``builtin`` then gets the
-arithmetic word problems it was trained on, rendered with its chat template). Throughput counts the tokens the requests asked for (up to and including
-EOS), not the padding a static batch computes after a row is done.
+arithmetic word problems it was trained on, rendered with its chat template). Throughput
+counts the tokens the requests asked for (up to and including EOS), not the padding a
+static batch computes after a row is done.
 
 It also measures **abort-to-free**: ``concurrency`` requests decoding, then one
 ``abort(ids)`` (and, separately, cancelling the awaiting tasks); the time until the call
 returns with every KV slot free, plus the tokens generated after the abort (must be 0).
 
-``model`` is a directory (``tailcut bench`` resolves ``builtin`` to one), ``random-tiny`` (CPU) or ``random-0.5b`` (a
-randomly initialised Qwen2 of ~0.5B parameters; bf16 on CUDA).
+``model`` is a directory (``tailcut bench`` resolves ``builtin``), ``random-tiny`` (CPU) or
+``random-0.5b`` (a randomly initialised Qwen2 of ~0.5B parameters; bf16 on CUDA).
 """
 
 from __future__ import annotations
@@ -222,6 +223,7 @@ def run_hf_bench(
     threads: int | None = None,
     engine_options: dict[str, Any] | None = None,
     arith_task: bool = False,
+    name: str | None = None,
     **sim_options: Any,
 ) -> dict[str, Any]:
     """Run the benchmark, print a table (or JSON with ``json_out``) and return the figures.
@@ -233,7 +235,8 @@ def run_hf_bench(
     warm-up, outside the timed runs (``graphs.capture_s`` reports how long that took).
     ``model`` is a model directory or a ``random-*`` name (``tailcut bench`` resolves
     ``builtin``); ``arith_task`` (the built-in model) draws the ``lengths="eos"`` prompts
-    from its arithmetic task. ``sim_options`` takes the options of ``tailcut bench`` that
+    from its arithmetic task; ``name`` is what the figures call the model (default
+    ``model``). ``sim_options`` takes the options of ``tailcut bench`` that
     only the simulated benchmark uses; they do not apply here and are ignored.
     """
     import torch
@@ -255,7 +258,7 @@ def run_hf_bench(
         _measure(lm, wl, concurrency, repeats, abort_trials, engine_options or {})
     )
     figures.update(
-        model=model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
+        model=name or model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
         params=sum(p.numel() for p in lm.parameters()), requests=requests,
         concurrency=concurrency, max_new_tokens=max_new_tokens, lengths=lengths,
         budget_mean=statistics.fmean(wl.budgets), budget_max=max(wl.budgets),

@@ -38,6 +38,7 @@ from typing import Any
 from tailcut.chat.parser import format_tool_call
 from tailcut.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
 from tailcut.tools.calculator import TOOL_NAME
+from tailcut.tools.registry import TOOLS
 
 DATA_SOURCE = "tailcut/arith"
 SYSTEM_PROMPT = (
@@ -269,7 +270,7 @@ def tool_config() -> dict[str, Any]:
     return {
         "tools": [
             {
-                "class_name": "tailcut.tools.calculator.CalculatorTool",
+                "class_name": TOOLS[TOOL_NAME],
                 "config": {"type": "native", "timeout": 5},
                 "tool_schema": CALCULATOR_SCHEMA,
             }

@@ -345,6 +345,15 @@ def parse_row(raw: Mapping[str, Any], row: int) -> tuple[PromptRow | None, list[
     return parsed, problems
 
 
+def sample_data(raw: Mapping[str, Any], row: int) -> dict[str, object]:
+    """A verl row (as written to parquet) as ``Sample.data``: validated, then
+    :meth:`PromptRow.as_data`; a row with an error raises :class:`DataError` naming it."""
+    parsed, problems = parse_row(raw, row)
+    if parsed is None:
+        raise DataError(format_problems([p for p in problems if p.severity == "error"]))
+    return parsed.as_data()
+
+
 def check_rows(
     rows: Sequence[Mapping[str, Any]],
     *,

@@ -113,7 +113,7 @@ def _truncate(text: str, limit: int) -> str:
 
 
 class AgentLoop:
-    """A :class:`~tailcut.rollout.scheduler.RolloutFn` for multi-turn tool use."""
+    """A :class:`~tailcut.rollout.step.RolloutFn` for multi-turn tool use."""
 
     def __init__(
         self,

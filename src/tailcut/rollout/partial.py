@@ -56,7 +56,7 @@ class PartialBuffer:
     max_staleness: int = 1
     entries: list[PartialEntry] = field(default_factory=list)
     baselines: dict[int, list[float]] = field(default_factory=dict)
-    """group id → rewards of its members trained earlier."""
+    """group id → rewards of its members that finished in earlier steps."""
     dropped_total: int = 0
 
     def __len__(self) -> int:
@@ -69,7 +69,7 @@ class PartialBuffer:
         finished_rewards: Mapping[int, Sequence[float]] | None = None,
     ) -> int:
         """Keep the ABORTED samples of ``step``; ``finished_rewards`` are the rewards of the
-        members of their groups trained in ``step``. Returns how many were added."""
+        members of their groups that finished in ``step``. Returns how many were added."""
         added = 0
         finished_rewards = finished_rewards or {}
         seen_groups: set[int] = set()
@@ -116,7 +116,7 @@ class PartialBuffer:
 
     def settle(self, step: int, rows: RowPlan) -> dict[int, list[float]]:
         """The step's one exchange with the buffer, before its advantages: returns the
-        baselines of the rows' groups (rewards of members trained in earlier steps), then
+        baselines of the rows' groups (rewards of members that finished in earlier steps), then
         keeps the step's deferred samples with their groups' finished rewards, and forgets
         the groups that have nothing left in flight."""
         groups = rows.groups
@@ -130,7 +130,8 @@ class PartialBuffer:
         return baselines
 
     def baseline_rewards(self, groups: Iterable[int]) -> dict[int, list[float]]:
-        """Earlier-trained members' rewards for ``groups`` (for the advantage)."""
+        """Rewards of members that finished in earlier steps, for ``groups`` (the advantage's
+        baseline-only rewards)."""
         return {g: list(self.baselines[g]) for g in set(groups) if g in self.baselines}
 
     def release(self, groups: Iterable[int]) -> None:

@@ -12,6 +12,9 @@ from tailcut.types import Sample, Status
 
 
 class RolloutFn(Protocol):
+    """Runs one sample to its end on the engine. A sample with a ``seed`` gives its engine
+    call ``k`` the seed ``rollout.seeds.call_seed(sample.seed, k)`` (the agent loop does)."""
+
     async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None: ...
 
 
@@ -39,7 +42,8 @@ class StepResult:
     samples: list[Sample]
     """Every launched sample, in launch order, each in a terminal state."""
     kept: list[int]
-    """Launch indices of the samples kept for training, in launch order."""
+    """Launch indices (``Sample.index``: indices in the whole step, also in one worker's
+    share) of the samples kept for training, in launch order."""
     step_time_s: float
     """Step start to the last sample settled (the scheduler's clock)."""
     cut_time_s: float | None
@@ -73,4 +77,5 @@ class StepResult:
         return sum(s.generated_tokens for s in self.samples if s.status is Status.ABORTED)
 
     def kept_samples(self) -> list[Sample]:
-        return [self.samples[i] for i in self.kept]
+        first = self.samples[0].index if self.samples else 0
+        return [self.samples[i - first] for i in self.kept]

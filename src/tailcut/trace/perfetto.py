@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from tailcut.trace.events import EventKind
 from tailcut.trace.load import Event, RequestTrace, StepTrace, load_run
+from tailcut.types import FINISHED
 
 Align = Literal["step", "run"]
 _Us = Callable[[float], int]
@@ -184,7 +185,7 @@ def _counter(reqs: list[RequestTrace], pid: int, us: _Us) -> list[dict[str, Any]
     changes: list[tuple[int, int, int]] = []
     for r in reqs:
         changes.append((us(r.begin), 1, 0))
-        changes.append((us(r.end), -1, 1 if r.status in ("completed", "truncated") else 0))
+        changes.append((us(r.end), -1, 1 if r.status in FINISHED else 0))
     out: list[dict[str, Any]] = []
     running = done = 0
     for ts, d_run, d_done in sorted(changes):

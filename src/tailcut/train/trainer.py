@@ -72,7 +72,7 @@ class TrainSetup:
     """Total seconds spent in reward functions so far (for the timing shares)."""
     close: Callable[[], Any] | None = None
     recipe: WorkerRecipe | None = None
-    """``rollout.backend=ray``: builds each worker's engine client and seeded rollout fn
+    """``rollout.backend=ray``: builds each worker's engine client and rollout fn
     inside its actor (picklable). Local workers all drive ``engine`` with ``rollout``."""
 
 

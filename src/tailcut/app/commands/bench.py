@@ -249,7 +249,7 @@ def _hf(options: dict[str, Any]) -> None:
     if options["model"] == "builtin":
         from tailcut.app.wiring import model_dir
 
-        options.update(model=str(model_dir("builtin", "--model")), arith_task=True)
+        options.update(model=str(model_dir("builtin")), arith_task=True, name="builtin")
     run_hf_bench(**options)
 
 

@@ -83,7 +83,7 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     from tailcut.rollout.scheduler import run_step
     from tailcut.trace.events import Tracer
 
-    path = model_dir(opts.model, "--model")
+    path = model_dir(opts.model)
     prompts = load_prompts(opts.data)
     cutoff = CutoffConfig(
         policy=opts.policy, abort_ratio=opts.abort_ratio,

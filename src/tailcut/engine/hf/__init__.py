@@ -8,7 +8,7 @@ replayed from CUDA graphs; :mod:`~tailcut.engine.hf.cache` the per-slot KV cache
 attention masks; :mod:`~tailcut.engine.hf.sampling` batched next-token sampling with
 per-row temperature, top-p and random stream; :mod:`~tailcut.engine.hf.records` the
 bookkeeping records (requests in flight, counters, hand-off of results to the event
-loop); and :mod:`~tailcut.engine.hf.load` loading a model directory, ``builtin``, or a
+loop); and :mod:`~tailcut.engine.hf.load` loading a model directory or a
 randomly initialised Qwen2.
 """
 

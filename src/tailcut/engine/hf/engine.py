@@ -71,7 +71,7 @@ class HFEngine(BaseEngine):
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> HFEngine:
-        """Load ``cfg.model`` (directory, ``builtin`` or ``random-*``) on ``cfg.device``."""
+        """Load ``cfg.model`` (a directory or a ``random-*`` name) on ``cfg.device``."""
         model = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
         return cls(model, cfg.hf, max_batch_size=cfg.max_batch_size)
 

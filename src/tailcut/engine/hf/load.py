@@ -35,11 +35,13 @@ RANDOM_QWEN2: dict[str, dict[str, Any]] = {
 """Named random-init Qwen2 configs accepted wherever a model directory is."""
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, option: str = "device") -> torch.device:
+    """``auto`` → CUDA when there is one, else the CPU; an unavailable CUDA device is an
+    error that names the ``option`` it came from."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
+        raise ValueError(f"{option} {device!r} requested but CUDA is not available")
     return torch.device(device)
 
 
