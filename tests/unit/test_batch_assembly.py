@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tailcut.algo.batch import ABORTED_MODES, BatchBuffers, TrainBatch, assemble, plan_rows
+from tailcut.algo.batch import ABORTED_MODES, TrainBatch, assemble, plan_rows
+from tailcut.algo.buffers import BatchBuffers
 from tailcut.app.cli import app
 from tailcut.bench.batch_bench import make_step
 from tailcut.types import Sample, Status

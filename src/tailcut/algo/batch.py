@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from tailcut.algo.buffers import FRESH, BatchBuffers
 from tailcut.types import FINISHED, Sample, Status
 
 AbortedMode = Literal["drop", "mask", "partial"]
@@ -310,41 +311,6 @@ def _fill_rows(
         out[len(rows) :] = value
 
 
-class BatchBuffers:
-    """Memory that successive :func:`assemble` calls reuse (the trainer keeps one): a batch
-    built into it is a set of views, valid until the next call with the same buffers.
-
-    Fresh arrays of a few tens of MB cost a page fault per 4 KiB page on first touch, which
-    on a VM costs more than copying the tokens; reused pages are already mapped. Each
-    buffer grows (with headroom) when a batch needs more, and never shrinks.
-    """
-
-    def __init__(self, headroom: float = 1.25) -> None:
-        self.headroom = headroom
-        self._flat: dict[str, np.ndarray] = {}
-
-    def take(self, name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
-        """An uninitialised ``shape`` array (the caller writes every cell)."""
-        size = shape[0] * shape[1]
-        flat = self._flat.get(name)
-        if flat is None or flat.dtype != dtype or flat.size < size:
-            flat = self._flat[name] = np.empty(int(size * self.headroom) + 1, dtype=dtype)
-        return flat[:size].reshape(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._flat.values())
-
-
-class _Fresh:
-    @staticmethod
-    def take(name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
-        return np.empty(shape, dtype=dtype)
-
-
-_FRESH = _Fresh()
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple if multiple > 1 else n
 
@@ -386,7 +352,7 @@ def assemble(
     b = n_rows + n_pad
     p_lens = [len(s.prompt_ids) for s in rows]
     r_lens = [len(s.response_ids) for s in rows]
-    take = (buffers or _FRESH).take
+    take = (buffers or FRESH).take
     ids = take("input_ids", (b, width_p + width_r), np.int32)
     mask = take("loss_mask", (b, width_r), np.int8)
     old_lp = take("old_logprobs", (b, width_r), np.float32)

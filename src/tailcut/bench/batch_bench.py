@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from tailcut.algo.batch import ABORTED_MODES, AbortedMode, BatchBuffers, assemble, plan_rows
+from tailcut.algo.batch import ABORTED_MODES, AbortedMode, assemble, plan_rows
+from tailcut.algo.buffers import BatchBuffers
 from tailcut.types import Sample, Status, logprob_array, mask_array, token_array
 
 REFERENCE_US_PER_ROW = 2500.0

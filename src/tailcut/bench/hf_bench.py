@@ -241,14 +241,10 @@ def run_hf_bench(
     """
     import torch
 
-    from tailcut.engine.hf.load import load_causal_lm
-
     if lengths not in ("budget", "eos"):
         raise ValueError(f"lengths {lengths!r} is not one of budget, eos")
     requests = 256 if requests is None else requests
-    if threads:
-        torch.set_num_threads(threads)
-    lm = load_causal_lm(model, device=device, dtype=dtype)
+    lm = _load(model, device, dtype, threads)
     param = next(lm.parameters())
     vocab = int(lm.config.get_text_config().vocab_size)
     wl = make_workload(vocab, requests, max_new_tokens, seed=seed, eos=lengths == "eos")
@@ -269,6 +265,16 @@ def run_hf_bench(
         memory["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(param.device)
     _print(figures, json_out)
     return figures
+
+
+def _load(model: str, device: str, dtype: str, threads: int | None) -> Any:
+    import torch
+
+    from tailcut.engine.hf.load import load_causal_lm
+
+    if threads:
+        torch.set_num_threads(threads)
+    return load_causal_lm(model, device=device, dtype=dtype)
 
 
 async def _measure(

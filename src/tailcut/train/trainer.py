@@ -30,7 +30,8 @@ import torch
 from rich.console import Console
 
 from tailcut.algo.advantage import compute_advantages
-from tailcut.algo.batch import BatchBuffers, assemble, keep_rows, plan_rows
+from tailcut.algo.batch import assemble, keep_rows, plan_rows
+from tailcut.algo.buffers import BatchBuffers
 from tailcut.algo.metrics import (
     batch_metrics,
     partial_metrics,
