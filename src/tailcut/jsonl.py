@@ -23,5 +23,7 @@ def read_jsonl(
             except json.JSONDecodeError as exc:
                 raise error(f"{path}:{lineno}: not JSON ({exc.msg})") from None
             if not isinstance(rec, dict):
-                raise error(f"{path}:{lineno}: expected an object, got {type(rec).__name__}")
+                raise error(
+                    f"{path}:{lineno}: each line must be a JSON object, got {type(rec).__name__}"
+                )
             yield lineno, rec

@@ -200,6 +200,26 @@ def test_abort_closes_the_stream_and_checks_metrics(dev: bool) -> None:
     asyncio.run(main())
 
 
+def test_abort_before_a_request_was_sent_leaves_nothing_in_flight() -> None:
+    """Requests still waiting for the servers' first health check are aborted at once: when
+    ``abort`` returns, ``in_flight`` holds none of them, and none ever reaches the server."""
+
+    async def main() -> None:
+        async with fake_vllm() as (server, engine):
+            reqs = [_req() for _ in range(3)]
+            tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
+            await asyncio.sleep(0)  # each registered, the first one checking health
+            assert set(await engine.in_flight()) == {r.request_id for r in reqs}
+            await engine.abort([r.request_id for r in reqs])
+            assert await engine.in_flight() == []
+            results = await asyncio.gather(*tasks)
+            assert all(r.finish_reason is FinishReason.ABORT and not r.output_ids for r in results)
+            probe = [server_request_id("tailcut-probe")]  # the readiness probe's, no other
+            assert not server.running and server.abort_calls == [probe]
+
+    asyncio.run(main())
+
+
 def test_request_that_will_not_stop_is_reported() -> None:
     async def main() -> None:
         async with fake_vllm(wedged=True) as (server, engine):

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tailcut.jsonl import read_jsonl
 from tailcut.types import Sample, token_array
 
 
@@ -278,14 +279,8 @@ def _parse_turn(where: str, k: int, raw: object) -> TurnSpec:
     )
 
 
-def parse_lengths_line(line: str, where: str) -> tuple[int, int | None, Trajectory]:
-    """One JSONL line -> (step, group or None, trajectory); errors name ``where``."""
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise WorkloadError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(raw, dict):
-        raise WorkloadError(f"{where}: each line must be a JSON object, got {type(raw).__name__}")
+def parse_lengths_record(raw: dict[str, Any], where: str) -> tuple[int, int | None, Trajectory]:
+    """One lengths-file record -> (step, group or None, trajectory); errors name ``where``."""
     unknown = raw.keys() - _TOP_KEYS
     if unknown:
         raise WorkloadError(
@@ -307,12 +302,9 @@ def read_lengths_file(path: Path) -> dict[int, list[tuple[int | None, Trajectory
     if not path.is_file():
         raise WorkloadError(f"lengths file {path} does not exist")
     steps: dict[int, list[tuple[int | None, Trajectory]]] = {}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            step, group, traj = parse_lengths_line(line, f"{path}:{lineno}")
-            steps.setdefault(step, []).append((group, traj))
+    for lineno, raw in read_jsonl(path, WorkloadError):
+        step, group, traj = parse_lengths_record(raw, f"{path}:{lineno}")
+        steps.setdefault(step, []).append((group, traj))
     if not steps:
         raise WorkloadError(f"lengths file {path} holds no requests")
     return steps

@@ -274,8 +274,9 @@ class RemoteEngine(BaseEngine):
             flight = self._flights.get(rid)
             if flight is not None:
                 flight.abort_sent = True
-                if flight.server < 0:
-                    flight.close()  # not sent yet: it never will be
+                if flight.server < 0:  # not sent yet: it never will be, and is not in flight
+                    flight.close()
+                    self._flights.pop(rid, None)
                     continue
                 server = flight.server
             elif rid in self._ghosts:
