@@ -13,7 +13,6 @@ import torch
 from tailcut.app.wiring import engine_for, model_dir
 from tailcut.config import AgentLoopConfig
 from tailcut.engine.base import Engine
-from tailcut.engine.factory import make_engine
 from tailcut.engine.hf.load import resolve_device
 from tailcut.reward.registry import RewardFn
 from tailcut.rollout.resume import ResumableAgentLoop
@@ -114,7 +113,7 @@ class TrainRecipe:
         loop = ResumableAgentLoop(
             tokenizer, c.agent, toolset=make_toolset(c.data), reward_fn=reward
         )
-        return make_engine(c.engine), loop
+        return engine_for(c.engine, Path(self.model_path)), loop
 
 
 def build_setup(cfg: TrainConfig) -> TrainSetup:

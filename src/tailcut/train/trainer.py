@@ -186,8 +186,9 @@ class Trainer:
         metrics["rollout/audit"] = float(audit)
         t_rollout = time.monotonic()
         rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
-        baselines = self.buffer.settle(step, rows) if self.partial else None
+        baselines = None
         if self.partial:
+            baselines = self.buffer.settle(step, rows)
             metrics.update(partial_metrics(taken, len(self.buffer), self.buffer.dropped_total))
         a = self.cfg.algo
         adv = compute_advantages(
