@@ -7,15 +7,24 @@ their sub-config (``CutoffConfig``), never the root. Configs are frozen after pa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tailcut.errors import TailcutError
 
-class ConfigError(ValueError):
-    pass
+LogprobDistribution = Literal["sampled", "scaled", "raw"]
+"""Which distribution an engine's log-probs of the sampled tokens come from."""
+
+
+class ConfigError(TailcutError, ValueError):
+    """A config file, override or value that cannot be used; the message is one line naming
+    the file and line (or the override) and the field. A usage error: the CLI exits 2."""
+
+    exit_code = 2
 
 
 class _Model(BaseModel):
@@ -63,7 +72,7 @@ class HFEngineConfig(_Model):
     """Most padded prompt tokens (rows x longest prompt) prefilled in one forward pass."""
     kv_block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block in the blocks-in-use counter."""
-    logprobs: Literal["sampled", "scaled", "raw"] = "sampled"
+    logprobs: LogprobDistribution = "sampled"
     """Which log-prob of each sampled token is returned: sampled = the temperature-scaled,
     top-p-renormalised distribution sampled from; scaled = temperature-scaled, no top-p;
     raw = the model's own distribution (temperature 1)."""
@@ -114,6 +123,11 @@ class RemoteEngineConfig(_Model):
     """Bearer token sent to the servers (None: none)."""
     max_connections: int = Field(1024, ge=1, le=100_000)
     """Open connections per server (one per concurrent request)."""
+    logprobs: LogprobDistribution | None = None
+    """Which distribution the servers' log-probs come from, as they were started: vLLM
+    ``--logprobs-mode raw_logprobs`` (its default) is raw, ``processed_logprobs`` is sampled
+    (temperature and top-p applied); SGLang returns scaled (temperature applied, no top-p;
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw). None: that engine's default."""
 
 
 class EngineConfig(_Model):
@@ -137,6 +151,17 @@ class EngineConfig(_Model):
     """Embedded (in-process Hugging Face) engine parameters."""
     remote: RemoteEngineConfig = RemoteEngineConfig()
     """SGLang / vLLM server client settings."""
+
+    @property
+    def logprob_distribution(self) -> LogprobDistribution:
+        """Which distribution this engine's log-probs of the sampled tokens come from:
+        ``sampled`` (temperature-scaled, top-p-renormalised: what was sampled from),
+        ``scaled`` (temperature-scaled full softmax) or ``raw`` (the model at temperature 1)."""
+        if self.kind == "hf":
+            return self.hf.logprobs
+        if self.remote.logprobs is not None:
+            return self.remote.logprobs
+        return "scaled" if self.kind == "sglang" else "raw" if self.kind == "vllm" else "sampled"
 
 
 class CutoffConfig(_Model):
@@ -194,48 +219,194 @@ class AgentLoopConfig(_Model):
     """Tool output longer than this is cut (its start kept) before the model reads it."""
 
 
+Lines = dict[tuple[str, ...], int]
+"""Each key path of a config file (``("trainer", "steps")``) → the 1-based line it is on."""
+
+
 def load_config(model: type[BaseModel], path: Path | None, overrides: list[str]) -> Any:
-    """Load ``path`` (YAML) into ``model``, applying dotted ``key=value`` overrides."""
+    """Load ``path`` (YAML) into ``model``, applying dotted ``key=value`` overrides. Any
+    problem is one ``ConfigError`` line naming the file and line, or the override, and the
+    field."""
     raw: dict[str, Any] = {}
+    lines: Lines = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        raw = loaded or {}
+        raw, lines = read_config_file(Path(path))
+    given: dict[tuple[str, ...], str] = {}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(value) if value else value
+        given[apply_override(raw, item)] = item
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, path, model)) from None
+        raise ConfigError(format_validation_error(exc, path, model, lines, given)) from None
+
+
+def read_config_file(path: Path) -> tuple[dict[str, Any], Lines]:
+    """The mapping a YAML config file holds and the line of each key in it."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} does not exist; give a YAML file (see configs/)"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config file {path} is a directory; give a YAML file (see configs/)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
+    if _looks_binary(data):
+        raise ConfigError(
+            f"config file {path} is a binary file, not YAML text; give a YAML config file (see configs/)"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8"
+        ) from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        loaded = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"{_yaml_where(path, text, exc)}: not valid YAML: {_yaml_problem(exc)}"
+        ) from None
+    finally:
+        loader.dispose()
+    if node is None:
+        return {}, {}
+    if not isinstance(node, yaml.MappingNode) or not isinstance(loaded, dict):
+        raise ConfigError(
+            f"{path}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
+            f"(engine:, data:, trainer: ...), not a {type(loaded).__name__}"
+        )
+    lines: Lines = {}
+    _key_lines(path, node, (), lines)
+    return loaded, lines
+
+
+def _looks_binary(data: bytes) -> bool:
+    """NUL bytes, or mostly bytes that are neither ASCII text nor UTF-8 (an image, a pickle)."""
+    head = data[:8192]
+    if b"\x00" in head:
+        return True
+    odd = sum(1 for b in head if b >= 0x80 or (b < 0x20 and b not in b"\t\n\r\f"))
+    return bool(head) and odd > len(head) * 0.3 and not _is_utf8(head)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start >= len(data) - 3  # cut inside the last character
+    return True
+
+
+def _yaml_where(path: Path, text: str, exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"{path}:{mark.line + 1}:{mark.column + 1}"
+    position = getattr(exc, "position", None)  # a ReaderError: a character YAML refuses
+    return f"{path}:{text.count(chr(10), 0, position) + 1}" if position is not None else str(path)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        context, start, end = exc.context, exc.context_mark, exc.problem_mark
+        if context and start is not None and end is not None and start.line != end.line:
+            context += f" started on line {start.line + 1}"
+        return ", ".join(p for p in (context, exc.problem) if p) or type(exc).__name__
+    return " ".join(str(exc).split())
+
+
+def _key_lines(path: Path, node: yaml.MappingNode, prefix: tuple[str, ...], out: Lines) -> None:
+    """Record each key's line; a key given twice in one mapping is an error (YAML would
+    silently keep the last)."""
+    for key_node, value_node in node.value:
+        key = (*prefix, str(key_node.value))
+        line = key_node.start_mark.line + 1
+        if key in out:
+            raise ConfigError(
+                f"{path}:{line}: {'.'.join(key)} is given twice (also on line {out[key]}); keep one"
+            )
+        out[key] = line
+        if isinstance(value_node, yaml.MappingNode):
+            _key_lines(path, value_node, key, out)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
+    """Set the dotted ``key=value`` ``item`` in ``raw`` (the value read as YAML); returns
+    the key path."""
+    key, sep, value = item.partition("=")
+    parts = tuple(key.split("."))
+    if not sep or not all(parts):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value else value
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"override {item!r}: {value!r} is not a YAML value ({_yaml_problem(exc)}); write "
+            f"e.g. {key}=3, {key}=text, {key}=[a, b], or quote it"
+        ) from None
+    return parts
 
 
 def format_validation_error(
-    exc: ValidationError, path: Path | None = None, model: type[BaseModel] | None = None
+    exc: ValidationError,
+    path: Path | None = None,
+    model: type[BaseModel] | None = None,
+    lines: Lines | None = None,
+    overrides: dict[tuple[str, ...], str] | None = None,
 ) -> str:
-    where = f" in {path}" if path else ""
-    lines = [f"invalid configuration{where}:"]
+    """Every validation error on one line: where it comes from (``file:line`` or the
+    override), the field, the message, the allowed range and the value given."""
+    parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        allowed = allowed_range(model, err["loc"]) if model is not None else None
-        hint = f"; allowed: {allowed}" if allowed else ""
-        lines.append(f"  {loc}: {err['msg']}{hint} (got {err.get('input')!r})")
-    return "\n".join(lines)
+        loc = tuple(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        named = _FIELD_IN_MESSAGE.match(msg) if not loc else None
+        key = tuple(named.group(1).split(".")) if named else loc
+        text = msg if named else f"{'.'.join(loc) or '(root)'}: {msg}"
+        allowed = allowed_range(model, err["loc"]) if model is not None and loc else None
+        if allowed:
+            text += f"; allowed: {allowed}"
+        if loc and err["type"] not in ("missing", "value_error"):
+            text += f" (got {_short(err.get('input'))})"
+        parts.append(f"{_source(key, path, lines or {}, overrides or {})}{text}")
+    count = f" ({len(parts)} errors)" if len(parts) > 1 else ""
+    return f"invalid configuration{count}: " + "; ".join(parts)
+
+
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+):")
+
+
+def _source(
+    key: tuple[str, ...], path: Path | None, lines: Lines, overrides: dict[tuple[str, ...], str]
+) -> str:
+    """``override 'k=v': `` or ``file:line: `` for the nearest given ancestor of ``key``."""
+    deeper = [item for given, item in overrides.items() if key and given[: len(key)] == key]
+    if deeper:
+        return f"override {deeper[-1]!r}: "
+    for n in range(len(key), 0, -1):
+        if key[:n] in overrides:
+            return f"override {overrides[key[:n]]!r}: "
+        if key[:n] in lines:
+            return f"{path}:{lines[key[:n]]}: "
+    return f"{path}: " if path is not None else ""
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def allowed_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:

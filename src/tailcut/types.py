@@ -112,6 +112,21 @@ class SamplingParams:
     ignore_eos: bool = False
     """Generate exactly ``max_new_tokens`` (benchmarks and the simulated engine)."""
     seed: int | None = None
+    seed_offset: int = 0
+    """Draws of the ``seed`` stream already used: a generation continued after a cut (its
+    first ``seed_offset`` tokens are at the end of the prompt). An engine that can skip
+    draws (the embedded one) continues the same stream, so the continued tokens are the ones
+    the uncut generation would have sampled; the servers get a seed derived from both
+    (:meth:`stream_seed`), never the first draws again."""
+
+    def stream_seed(self) -> int | None:
+        """One seed for engines that cannot skip draws: ``seed`` itself when nothing was
+        drawn, else a mix of ``seed`` and ``seed_offset``."""
+        if self.seed is None or self.seed_offset == 0:
+            return self.seed
+        h = (self.seed ^ (self.seed_offset * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        return (h ^ (h >> 29)) & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True, slots=True)

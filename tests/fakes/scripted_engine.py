@@ -8,7 +8,8 @@ way a model server would: cut at the first stop token, cut at ``max_new_tokens``
 :mod:`tailcut.vtime`), so a cut can land in the middle of a generation.
 
 Scripts can call tools (``format_tool_call``), answer, or ramble (a long reply that only
-``max_new_tokens`` stops).
+``max_new_tokens`` stops). A request with ``seed_offset = k`` continues a cut generation: it
+gets the reply from its ``k``-th token on (the first ``k`` are already in its prompt).
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ class ScriptedEngine(BaseEngine):
     def reply_ids(self, request: GenerateRequest) -> list[int]:
         text = decode(self.tokenizer, request.prompt_ids)
         reply = self.script(ScriptCall(text, count_turns(text), request))
-        return encode(self.tokenizer, reply) + self.end_ids
+        # A continued generation (``seed_offset`` tokens of this reply already at the end of
+        # the prompt) goes on with the rest of the same reply, as a seeded stream would.
+        return (encode(self.tokenizer, reply) + self.end_ids)[request.sampling.seed_offset :]
 
     @staticmethod
     def _plan(ids: list[int], request: GenerateRequest) -> tuple[list[int], FinishReason]:

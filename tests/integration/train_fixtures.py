@@ -103,7 +103,8 @@ def tiny_setup(cfg: TrainConfig, tokenizer: Any) -> TrainSetup:
     engine = VersionedEngine(tokenizer, script, token_delay_s=TOKEN_S)
     actor = Actor(
         tiny_model(len(tokenizer)), cfg.actor, cfg.algo,
-        norm_len=cfg.agent.max_response_tokens, device=torch.device("cpu"),
+        norm_len=cfg.agent.max_response_tokens, temperature=cfg.agent.temperature,
+        device=torch.device("cpu"),
     )  # fmt: skip
     val_agent: AgentLoopConfig = cfg.agent.model_copy(update={"temperature": 0.0})
     return TrainSetup(

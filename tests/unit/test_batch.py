@@ -63,7 +63,7 @@ def test_mask_keeps_aborted_row_with_zero_mask_and_reward() -> None:
     batch = assemble(plan, [0.5, 9.0, -0.5, 0.1], pad_id=PAD)
     assert batch.row_valid == [1, 0, 1, 1]
     assert batch.row("loss_mask", 1) == [0] * batch.response_width
-    assert batch.row("old_logprobs", 1) == [0.0] * batch.response_width
+    assert batch.row("engine_logprobs", 1) == [0.0] * batch.response_width
     assert batch.advantages[1] == 0.0  # masked rows never carry an advantage
     assert batch.counts.masked == 1
 
@@ -85,7 +85,7 @@ def test_padding_layout_left_prompt_right_response() -> None:
     assert row0[4:9] == [200] * 5 and row0[9:] == [PAD] * 3
     assert batch.row("loss_mask", 0) == [1, 1, 0, 1, 1, 0, 0, 0]
     assert batch.row("versions", 0) == [7, 7, -1, 7, 7, -1, -1, -1]
-    assert batch.row("old_logprobs", 0)[:5] == [-0.5, -0.5, 0.0, -0.5, -0.5]
+    assert batch.row("engine_logprobs", 0)[:5] == [-0.5, -0.5, 0.0, -0.5, -0.5]
     assert batch.prompt_lens == [2, 3, 1, 0] and batch.response_lens == [5, 6, 1, 0]
     pad_row = batch.row("input_ids", 3)
     assert (

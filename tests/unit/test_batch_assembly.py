@@ -18,7 +18,7 @@ from tailcut.app.cli import app
 from tailcut.bench.batch_bench import make_step
 from tailcut.types import Sample, Status
 
-FIELDS = ("input_ids", "loss_mask", "old_logprobs", "versions")
+FIELDS = ("input_ids", "loss_mask", "engine_logprobs", "versions")
 
 
 def _batch(samples: list[Sample], mode: str, buffers: BatchBuffers | None = None) -> TrainBatch:
@@ -52,7 +52,7 @@ def _reference(samples: list[Sample], batch: TrainBatch) -> None:
             r - (n_r if real else 0)
         )
         lp = np.asarray(s.logprobs, dtype=np.float32).tolist() if real else []
-        assert batch.old_logprobs[i].tolist() == lp + [0.0] * (r - len(lp))
+        assert batch.engine_logprobs[i].tolist() == lp + [0.0] * (r - len(lp))
         vers = list(s.versions) if real else []
         assert batch.versions[i].tolist() == vers + [-1] * (r - len(vers))
 
@@ -68,7 +68,7 @@ def test_arrays_lists_and_numpy_fields_give_the_same_batch(mode: str) -> None:
         s.response_ids = np.asarray(s.response_ids, dtype=np.int64)  # type: ignore[assignment]
         s.logprobs = array("f", s.logprobs)
     a, b, c = _batch(arrays, mode), _batch(lists, mode), _batch(odd, mode)
-    assert a.input_ids.dtype == np.int32 and a.old_logprobs.dtype == np.float32
+    assert a.input_ids.dtype == np.int32 and a.engine_logprobs.dtype == np.float32
     _same(a, b)
     _same(a, c)
     _reference(arrays, a)

@@ -14,7 +14,7 @@ Layout of a batch of ``B`` rows. ``P`` is the longest prompt, ``R`` the longest 
               |<------------- P ------------->|<------------------ R ------------------>|
   input_ids   | PAD PAD p0  p1  p2  p3  p4  p5 | a0  a1  a2  t0  t1  a3  a4  PAD PAD PAD |
   loss_mask                                   |  1   1   1   0   0   1   1   0   0   0  |
-  old_logprobs                                | l0  l1  l2  0   0   l3  l4  0   0   0   |
+  engine_logprobs                             | l0  l1  l2  0   0   l3  l4  0   0   0   |
   versions                                    |  3   3   3  -1  -1   4   4  -1  -1  -1  |
   masked row  | PAD q0  q1  q2  q3  q4  q5  q6 | b0  b1  PAD PAD ...                     |
   loss_mask   (row_valid = 0)                 |  0   0   0   0   0   0   0   0   0   0  |
@@ -23,7 +23,7 @@ Layout of a batch of ``B`` rows. ``P`` is the longest prompt, ``R`` the longest 
 
 Response column ``j`` is token ``P + j`` of ``input_ids``. ``a*`` were sampled by the policy
 (mask 1), ``t*`` are tool output / template tokens (mask 0). Padding is ``pad_id`` in
-``input_ids``, 0 in the mask, 0.0 in ``old_logprobs`` and -1 in ``versions``; attention masks
+``input_ids``, 0 in the mask, 0.0 in ``engine_logprobs`` and -1 in ``versions``; attention masks
 and positions follow from ``prompt_lens`` / ``response_lens`` and are built by the actor.
 
 Which samples become rows (``cutoff.aborted``):
@@ -108,8 +108,9 @@ class TrainBatch:
     the actor widens each micro-batch to int64 on its way to the model)."""
     loss_mask: np.ndarray
     """int8, B × R."""
-    old_logprobs: np.ndarray
-    """float32, B × R: behaviour log-prob of each sampled token."""
+    engine_logprobs: np.ndarray
+    """float32, B × R: the log-prob the engine reported for each sampled token (the behaviour
+    policy μ; NaN where the engine returned none, 0.0 where the mask is 0)."""
     versions: np.ndarray
     """int32, B × R: weight version that sampled each token (-1: not sampled / pad)."""
     prompt_lens: list[int]
@@ -283,7 +284,7 @@ def _fill_rows(
     pads: tuple[float, float, float, float],
     width_p: int,
 ) -> None:
-    """Write each row's tokens and pads into the (unfilled) arrays ``ids, mask, old_lp,
+    """Write each row's tokens and pads into the (unfilled) arrays ``ids, mask, engine_lp,
     vers``: the prompt ends at column ``P``, the response starts there; the per-token
     response fields only for real rows. A handful of run copies per row, none per token;
     every cell is written once. Rows past ``rows`` are pad rows, filled whole."""
@@ -355,16 +356,16 @@ def assemble(
     take = (buffers or FRESH).take
     ids = take("input_ids", (b, width_p + width_r), np.int32)
     mask = take("loss_mask", (b, width_r), np.int8)
-    old_lp = take("old_logprobs", (b, width_r), np.float32)
+    engine_lp = take("engine_logprobs", (b, width_r), np.float32)
     vers = take("versions", (b, width_r), np.int32)
-    _fill_rows(rows, valid, (ids, mask, old_lp, vers), (pad_id, 0, 0.0, -1), width_p)
+    _fill_rows(rows, valid, (ids, mask, engine_lp, vers), (pad_id, 0, 0.0, -1), width_p)
     counts = replace(plan.counts, pad_rows=n_pad)
     rewards = plan.rewards
     adv = [float(a) if ok else 0.0 for a, ok in zip(advantages, valid, strict=True)]
     return TrainBatch(
         input_ids=ids,
         loss_mask=mask,
-        old_logprobs=old_lp,
+        engine_logprobs=engine_lp,
         versions=vers,
         prompt_lens=p_lens + [0] * n_pad,
         response_lens=r_lens + [0] * n_pad,

@@ -20,9 +20,14 @@ gives loss 0, not NaN.
 Micro-batches: ``T`` and ``S`` come in a :class:`LossNorm` computed once over the whole
 mini-batch, so the sum of the micro-batch losses equals the mini-batch loss whatever the split.
 
-Importance ratio: ``ρ_it = exp(logπ_θ(a_it) − logμ_it)`` with ``μ`` the behaviour policy's
-per-token log-prob (recorded with the version that sampled each token, so tokens of a resumed
-partial rollout are corrected for the older policy that sampled them).
+Importance ratio: ``ρ_it = exp(logπ_θ(a_it) − logπ_old_it)``. ``π_old`` is the actor's own
+score of the batch before the update (``algo.old_logprobs=recompute``: ρ = 1 on the first,
+on-policy mini-batch by construction) or the engine's log-prob (``engine``); the engine/actor
+gap is corrected separately (``algo/correction.py``: ``weights`` multiply each token's loss).
+
+Dual-clip (``clip_ratio_c = c``): for ``A < 0`` the PPO loss ``max(−Aρ, −A·clip(ρ))`` grows
+without bound in ρ; it is capped at ``−A·c`` (= |A|·c), so one stale or mismatched token with a
+huge ratio cannot dominate the batch.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ class PolicyLossSpec:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     kl_type: str = "k3"
+    clip_ratio_c: float | None = 3.0
 
     def __post_init__(self) -> None:
         if self.agg not in AGGREGATIONS:
@@ -126,6 +132,8 @@ class PolicyLossSpec:
             raise ValueError(
                 f"algo.kl_type must be one of {sorted(KL_ESTIMATORS)}, got {self.kl_type!r}"
             )
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"algo.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
 
 
 @dataclass(slots=True)
@@ -145,11 +153,13 @@ def ppo_clip_loss(
     norm: LossNorm,
     spec: PolicyLossSpec,
     ref_logprobs: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> LossOutput:
-    """PPO-clip loss ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))`` plus ``kl_coef · KL``.
+    """PPO-clip loss ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))`` (dual-clipped for A < 0),
+    times the rollout-correction ``weights``, plus ``kl_coef · KL``.
 
-    Shapes: ``logprobs``, ``old_logprobs``, ``loss_mask``, ``ref_logprobs``: (B, R);
-    ``advantages``: (B,) or (B, R); ``row_valid``: (B,). Aggregated by ``spec.agg``.
+    Shapes: ``logprobs``, ``old_logprobs``, ``loss_mask``, ``ref_logprobs``, ``weights``:
+    (B, R); ``advantages``: (B,) or (B, R); ``row_valid``: (B,). Aggregated by ``spec.agg``.
     """
     m = effective_mask(loss_mask, row_valid)
     on = m > 0
@@ -165,12 +175,20 @@ def ppo_clip_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual = torch.zeros_like(m, dtype=torch.bool)
+    if spec.clip_ratio_c is not None:
+        cap = -adv * spec.clip_ratio_c
+        dual = (adv < 0) & (pg > cap) & on
+        pg = torch.where(dual, cap, pg)
+    if weights is not None:
+        pg = pg * torch.where(on, weights.to(lp.dtype), zero)
     agg = AGGREGATIONS[spec.agg]
     loss = agg(pg, m, norm)
     with torch.no_grad():
         metrics = {
             "pg_loss": loss.detach(),
             "clip_frac": ((pg_clipped > pg_unclipped).float() * m).sum(),
+            "clip_frac_dual": (dual.float() * m).sum(),
             "ratio": (ratio * m).sum(),
             "approx_kl_behaviour": (kl_k3(lp, old) * m).sum(),
             "loss_tokens": m.sum(),

@@ -20,6 +20,8 @@ kept, the rest treated as aborted) and reports ``estimator − truth`` for each 
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -196,6 +198,7 @@ def batch_metrics(batch: TrainBatch, adv: AdvantageResult) -> dict[str, float]:
         "batch/surplus": float(c.surplus),
         "batch/dropped_small_group": float(c.dropped_small_group),
         "batch/loss_tokens": float(batch.n_loss_tokens),
+        "batch/empty": float(batch.n_loss_tokens == 0),
         "adv/groups": float(adv.n_groups),
         "adv/small_groups": float(adv.n_small_groups),
         "adv/zero_std_groups": float(adv.n_zero_std_groups),
@@ -243,3 +246,42 @@ def validation_metrics(step: StepLike, seconds: float) -> dict[str, float]:
         "val/cut": float(step.cut_time_s is not None),
         "timing/val_s": seconds,
     }
+
+
+_VARYING = re.compile(r"[0-9a-f]{24}|\d+")
+"""Request ids and numbers: what differs between failures of one cause."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailureSummary:
+    """FAILED samples of one step, grouped by cause (their errors with numbers and request
+    ids set aside), most common first; each cause shown by its first message."""
+
+    failed: int
+    ended: int
+    """Samples that ended (FAILED or finished; cut samples did not end)."""
+    causes: list[tuple[str, int]]
+
+    @property
+    def fraction(self) -> float:
+        return self.failed / self.ended if self.ended else 0.0
+
+    def line(self, most: int = 3) -> str:
+        """``3/64 samples failed — EngineError: … (2); ValueError: … (1)``"""
+        shown = "; ".join(f"{msg} ({n})" for msg, n in self.causes[:most])
+        more = len(self.causes) - most
+        tail = f"; {more} other cause(s)" if more > 0 else ""
+        return f"{self.failed}/{self.ended} samples failed — {shown}{tail}"
+
+
+def failure_summary(samples: Sequence[Sample]) -> FailureSummary:
+    failed = [s for s in samples if s.status is Status.FAILED]
+    ended = sum(1 for s in samples if s.status is not Status.ABORTED)
+    counts: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    for s in failed:
+        msg = (s.error or "no error message").splitlines()[0][:300]
+        key = _VARYING.sub("#", msg)
+        counts[key] += 1
+        first.setdefault(key, msg)
+    return FailureSummary(len(failed), ended, [(first[k], n) for k, n in counts.most_common()])

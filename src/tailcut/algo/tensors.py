@@ -16,7 +16,7 @@ from tailcut.algo.batch import TrainBatch
 class BatchTensors:
     input_ids: Tensor
     loss_mask: Tensor
-    old_logprobs: Tensor
+    engine_logprobs: Tensor
     versions: Tensor
     prompt_lens: Tensor
     response_lens: Tensor
@@ -31,7 +31,7 @@ def to_tensors(batch: TrainBatch) -> BatchTensors:
     return BatchTensors(
         input_ids=torch.from_numpy(batch.input_ids),
         loss_mask=torch.from_numpy(batch.loss_mask),
-        old_logprobs=torch.from_numpy(batch.old_logprobs),
+        engine_logprobs=torch.from_numpy(batch.engine_logprobs),
         versions=torch.from_numpy(batch.versions),
         prompt_lens=torch.tensor(batch.prompt_lens, dtype=torch.long),
         response_lens=torch.tensor(batch.response_lens, dtype=torch.long),

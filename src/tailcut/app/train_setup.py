@@ -37,12 +37,13 @@ def arith_rows(seed: int, n: int, cfg: DataConfig, split: str = "train") -> list
 
 
 def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
+    """A verl-format parquet file's rows as ``Sample.data``; a prompt whose messages take more
+    than ``data.max_prompt_tokens`` token ids (chat template, generation prompt) is skipped."""
+    from tailcut.chat.template import render_ids
     from tailcut.data.verl import load_prompts
 
     def count(messages: Any) -> int:
-        return len(
-            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        )
+        return len(render_ids(tokenizer, messages, add_generation_prompt=True))
 
     prompts = load_prompts(
         path, cfg.max_prompt_tokens, "skip", count_tokens=count if cfg.max_prompt_tokens else None
@@ -111,9 +112,15 @@ class TrainRecipe:
         tokenizer: Any = AutoTokenizer.from_pretrained(self.model_path)
         reward = RewardFn(c.data.reward, name=c.data.reward_fn)
         loop = ResumableAgentLoop(
-            tokenizer, c.agent, toolset=make_toolset(c.data), reward_fn=reward
-        )
+            tokenizer, c.agent, toolset=make_toolset(c.data), reward_fn=reward,
+            require_logprobs=needs_engine_logprobs(c),
+        )  # fmt: skip
         return engine_for(c.engine, Path(self.model_path)), loop
+
+
+def needs_engine_logprobs(cfg: TrainConfig) -> bool:
+    """Whether training reads the engine's log-probs (a sample without them then fails)."""
+    return cfg.algo.old_logprobs == "engine" or cfg.algo.rollout_correction != "none"
 
 
 def build_setup(cfg: TrainConfig) -> TrainSetup:
@@ -133,7 +140,13 @@ def build_setup(cfg: TrainConfig) -> TrainSetup:
     return TrainSetup(
         actor=actor,
         engine=engine,
-        rollout=ResumableAgentLoop(tokenizer, cfg.agent, toolset=toolset, reward_fn=reward),
+        rollout=ResumableAgentLoop(
+            tokenizer,
+            cfg.agent,
+            toolset=toolset,
+            reward_fn=reward,
+            require_logprobs=needs_engine_logprobs(cfg),
+        ),
         val_rollout=ResumableAgentLoop(tokenizer, val_agent, toolset=toolset, reward_fn=reward),
         train_prompts=train_rows,
         val_prompts=val_rows,

@@ -20,11 +20,13 @@ sample a non-canonical split), the ids are still the ones the policy saw and sam
 is what training needs.
 
 Layout in a :class:`~tailcut.types.Sample`: ``response_ids`` / ``loss_mask`` / ``logprobs``
-/ ``versions`` stay the same length; forced tokens have mask 0, logprob 0.0, version -1.
+/ ``versions`` stay the same length; forced tokens have mask 0, logprob 0.0, version -1; a
+sampled token whose log-prob the engine did not return has NaN.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -158,14 +160,15 @@ class IncrementalChat:
 def append_sampled(
     sample: Sample, token_ids: Sequence[int], logprobs: Sequence[float] | None, version: int
 ) -> None:
-    """Append tokens the policy sampled (mask 1) with their log-probs and weight version."""
+    """Append tokens the policy sampled (mask 1) with their log-probs and weight version
+    (``logprobs`` None: the engine returned none; they are recorded as NaN, never as 0)."""
     if logprobs is not None and len(logprobs) != len(token_ids):
         raise ValueError(
             f"sample {sample.index}: {len(token_ids)} sampled tokens but {len(logprobs)} log-probs"
         )
     extend_array(sample.response_ids, token_ids)
     sample.loss_mask.extend([1] * len(token_ids))
-    extend_array(sample.logprobs, logprobs if logprobs is not None else [0.0] * len(token_ids))
+    extend_array(sample.logprobs, logprobs if logprobs is not None else [math.nan] * len(token_ids))
     sample.versions.extend([version] * len(token_ids))
 
 

@@ -8,6 +8,10 @@ Generation is SGLang's native ``POST /generate`` with token ids in and out::
     -> {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
         "output_token_logprobs": [[logprob, token_id, null], ...], "completion_tokens", ...}}
 
+The log-probs are temperature-scaled, without top-p (``scaled``; ``raw`` on servers run with
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: declare it in ``engine.remote.logprobs``); an entry
+without one is NaN, never dropped (the list stays aligned with the tokens).
+
 With ``engine.remote.stream=true`` the same comes as ``data: {...}`` events (cumulative by
 default; incremental when the server runs ``--incremental-streaming-output``: both are
 read) closed by ``data: [DONE]``.
@@ -25,6 +29,7 @@ For a trainer sharing the GPUs: :meth:`release_memory` / :meth:`resume_memory` (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +56,7 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
-        params["sampling_seed"] = s.seed
+        params["sampling_seed"] = s.stream_seed()
     return params
 
 
@@ -104,7 +109,7 @@ class SGLangEngine(RemoteEngine):
         ids = [int(t) for t in out.get("output_ids") or []]
         total = meta.get("completion_tokens")
         cumulative = total is None or len(ids) == total or not flight.output_ids
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or [] if x is not None]
+        lps = [_logprob(x) for x in meta.get("output_token_logprobs") or []]
         if cumulative:
             flight.output_ids = ids
             if lps or meta.get("output_token_logprobs") is not None:
@@ -265,3 +270,10 @@ def _tags(tags: Sequence[str] | None) -> dict[str, Any]:
     if bad:
         raise ValueError(f"unknown SGLang memory tag(s) {bad}; known: {sorted(MEMORY_TAGS)}")
     return {"tags": list(tags)}
+
+
+def _logprob(entry: Any) -> float:
+    """The log-prob of one ``output_token_logprobs`` entry ``[logprob, token_id, text]``."""
+    if isinstance(entry, list | tuple) and entry and entry[0] is not None:
+        return float(entry[0])
+    return math.nan

@@ -7,10 +7,11 @@ Generation is a streamed ``POST /v1/completions`` with a token-id prompt::
      "request_id": "<24-char id>"}
 
 Each ``data:`` event carries the new ``token_ids`` and their ``logprobs.token_logprobs``
-(the sampled token's log-prob; vLLM's default ``--logprobs-mode raw_logprobs`` is the
-model's distribution before temperature/top-p: start the server with
-``--logprobs-mode processed_logprobs`` for the sampling distribution). The server names
-the request ``cmpl-<request_id>-0``.
+(the sampled token's log-prob; a missing one is NaN, never 0). Which distribution it is
+depends on how the server was started, and is declared in ``engine.remote.logprobs``:
+vLLM's default ``--logprobs-mode raw_logprobs`` is the model before temperature/top-p
+(``raw``), ``processed_logprobs`` the distribution sampled from (``sampled``). The server
+names the request ``cmpl-<request_id>-0``.
 
 Abort: vLLM aborts a request whose client goes away, so the client closes the stream;
 servers started with ``VLLM_SERVER_DEV_MODE=1`` also offer ``POST /abort_requests
@@ -29,6 +30,7 @@ then carry the version the client last loaded (``/weight_info`` shows the server
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +108,7 @@ class VLLMEngine(RemoteEngine):
         if s.stop_token_ids:
             body["stop_token_ids"] = list(s.stop_token_ids)
         if s.seed is not None:
-            body["seed"] = s.seed
+            body["seed"] = s.stream_seed()
         return body
 
     async def _request(self, server: ServerClient, flight: Flight) -> GenerateResult:
@@ -122,7 +124,7 @@ class VLLMEngine(RemoteEngine):
                     ids = choice.get("token_ids") or []
                     lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
                     flight.output_ids.extend(int(t) for t in ids)
-                    flight.logprobs.extend(0.0 if x is None else float(x) for x in lps)
+                    flight.logprobs.extend(math.nan if x is None else float(x) for x in lps)
                     finish = choice.get("finish_reason") or finish
         reason = _FINISH.get(finish or "")
         if reason is None:

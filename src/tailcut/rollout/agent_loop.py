@@ -123,8 +123,12 @@ class AgentLoop:
         toolset: ToolSet | None = None,
         reward_fn: RewardFn | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        require_logprobs: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.require_logprobs = require_logprobs
+        """A generation whose tokens come back without log-probs fails the sample (training
+        that uses the engine's log-probs); otherwise they are recorded as NaN."""
         self.cfg = cfg or AgentLoopConfig()
         self.toolset = toolset or ToolSet({})
         self.reward_fn = reward_fn
@@ -189,8 +193,7 @@ class _Trajectory:
         self.chat = chat
         self.session = session
         self.clock = asyncio.get_running_loop().time
-        self.calls = 0
-        """Engine calls of this launch so far (each gets its own seed)."""
+        self.require_logprobs = loop.require_logprobs
 
     async def turns(self) -> FinishReason:
         for index in range(self.cfg.max_turns):
@@ -204,12 +207,7 @@ class _Trajectory:
         budget = self.cfg.max_response_tokens - len(sample.response_ids)
         if budget <= 0:
             return FinishReason.LENGTH
-        turn = Turn(
-            index=index,
-            request_id=new_request_id(),
-            prompt_tokens=len(sample.prompt_ids) + len(sample.response_ids),
-        )
-        sample.turns.append(turn)
+        turn = self._open_turn(index)
         self.tracer.emit(EventKind.TURN_START, sample.workid, turn=index)
         started, status = self.clock(), "ok"
         reason: FinishReason | None = None
@@ -233,6 +231,17 @@ class _Trajectory:
                 tool_calls=turn.tool_calls,
                 tool_errors=turn.tool_errors,
             )
+
+    def _open_turn(self, index: int) -> Turn:
+        """The record of turn ``index``: a new one, appended to the sample."""
+        sample = self.sample
+        turn = Turn(
+            index=index,
+            request_id=new_request_id(),
+            prompt_tokens=len(sample.prompt_ids) + len(sample.response_ids),
+        )
+        sample.turns.append(turn)
+        return turn
 
     async def _turn_body(self, turn: Turn, budget: int) -> FinishReason | None:
         result = await self._generate(turn, budget)
@@ -260,14 +269,21 @@ class _Trajectory:
         return None
 
     async def _generate(self, turn: Turn, budget: int) -> GenerateResult:
+        """Sample the rest of ``turn``: what ``max_new_tokens`` leaves after the tokens the
+        turn already has (a turn continued after a cut), within ``budget``. The turn's seed
+        depends on its index only; its stream goes on after the tokens it already drew."""
         sample = self.sample
-        self.calls += 1
+        have = turn.output_tokens
+        max_new = min(self.cfg.max_new_tokens - have, budget)
+        if max_new <= 0:
+            return GenerateResult(turn.request_id, [], FinishReason.LENGTH, [])
         sampling = SamplingParams(
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,
-            max_new_tokens=min(self.cfg.max_new_tokens, budget),
+            max_new_tokens=max_new,
             stop_token_ids=tuple(self.stop_ids),
-            seed=None if sample.seed is None else call_seed(sample.seed, self.calls),
+            seed=None if sample.seed is None else call_seed(sample.seed, turn.index + 1),
+            seed_offset=have,
         )
         request = GenerateRequest(
             turn.request_id, sample.prompt_ids + sample.response_ids, sampling
@@ -284,11 +300,24 @@ class _Trajectory:
             raise
         finally:
             sample.active_request_id = None
-        turn.output_tokens = len(result.output_ids)
+        self._check_logprobs(request, result)
+        turn.output_tokens = have + len(result.output_ids)
         turn.weight_version = result.weight_version
         append_sampled(sample, result.output_ids, result.logprobs, result.weight_version)
         self._engine_call_end(turn, started, result.finish_reason)
         return result
+
+    def _check_logprobs(self, request: GenerateRequest, result: GenerateResult) -> None:
+        if not self.require_logprobs or not result.output_ids:
+            return
+        lps = result.logprobs
+        missing = len(result.output_ids) if lps is None else sum(1 for x in lps if x != x)
+        if missing:
+            raise EngineError(
+                f"engine {self.engine.name} returned no log-prob for {missing} of "
+                f"{len(result.output_ids)} tokens of request {request.request_id} (training "
+                "uses them: algo.old_logprobs=engine or a rollout_correction)"
+            )
 
     def _engine_call_end(
         self, turn: Turn, started: float, reason: FinishReason, cancelled: bool = False

@@ -11,6 +11,11 @@ turns and messages. Where the cut found it decides how it goes on:
 * **between turns** (last message: tool output, its tokens already appended): the next turn
   starts as usual.
 
+The open turn stays one turn: its record is reused (a new request id for the new engine call)
+and its generation continues with what ``max_new_tokens`` left it and the same seed stream
+(``SamplingParams.seed_offset``), so a cut + resumed trajectory obeys every cap an uncut one
+obeys, and on an engine that can continue a stream samples the tokens the uncut one would.
+
 The conversation state is rebuilt from the messages (the template renders them the same
 way), never from a re-tokenization of the tokens: the tokens stay the ones the policy
 sampled. Tools start a fresh session: a stateful tool forgets calls made before the cut.
@@ -29,7 +34,7 @@ from tailcut.rollout.agent_loop import (
     tool_create_kwargs,
 )
 from tailcut.trace.events import Tracer
-from tailcut.types import FinishReason, GenerateResult, Sample, Turn
+from tailcut.types import FinishReason, GenerateResult, Sample, Turn, new_request_id
 
 
 def open_assistant_ids(sample: Sample) -> list[int]:
@@ -51,6 +56,15 @@ class _Resumed(_Trajectory):
         self.prior = prior
         self.continue_generation = continue_generation
         self.first = first
+
+    def _open_turn(self, index: int) -> Turn:
+        turns = self.sample.turns
+        if self.prior is None or not turns or turns[-1].index != index:
+            return super()._open_turn(index)
+        turn = turns[-1]  # the turn the cut left open goes on
+        turn.request_id = new_request_id()
+        turn.output_tokens = len(self.prior)
+        return turn
 
     async def turns(self) -> FinishReason:
         for index in range(self.first, self.cfg.max_turns):

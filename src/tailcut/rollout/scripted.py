@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import secrets
 from array import array
 
@@ -46,8 +47,9 @@ TOOL_TOKEN = 7
 
 # One-element arrays repeated (``a * n``) into runs: a memset-like copy, no Python objects.
 _SAMPLED, _FORCED = mask_array([1]), mask_array([0])
-_NO_LOGPROB, _NO_VERSION, _TOOL_ID = (
+_NO_LOGPROB, _MISSING_LOGPROB, _NO_VERSION, _TOOL_ID = (
     logprob_array([0.0]),
+    logprob_array([math.nan]),
     token_array([-1]),
     token_array([TOOL_TOKEN]),
 )
@@ -149,7 +151,7 @@ class ScriptedRollout:
         sample.loss_mask += _SAMPLED * out
         logprobs = result.logprobs
         if logprobs is None:
-            sample.logprobs += _NO_LOGPROB * out
+            sample.logprobs += _MISSING_LOGPROB * out
         else:
             extend_array(sample.logprobs, logprobs)
         sample.versions += self._versions(version) * out

@@ -3,9 +3,11 @@
 
 An engine's own request counter depends on the order requests reach it, and starts again
 from zero in a resumed process; seeds given per request do not. The trainer seeds each
-launched sample once (:func:`seed_samples`, by its index in the whole step, however the
-step is split over workers); the agent loop gives its ``k``-th engine call of that launch
-:func:`call_seed`. With them a resumed step samples what the uninterrupted run sampled, and
+trajectory once, at its first launch (:func:`seed_samples`, by its index in the whole step,
+however the step is split over workers; a partial trajectory resumed in a later step keeps
+its seed); the agent loop gives the engine call of turn ``k`` ``call_seed(seed, k + 1)``, and
+a turn continued after a cut goes on with the same stream (``SamplingParams.seed_offset``).
+With them a resumed step samples what the uninterrupted run sampled, and
 ``cut disabled`` samples exactly what ``wait-all`` samples (engines that honour
 ``SamplingParams.seed``: the embedded HF engine, SGLang and vLLM).
 """
@@ -41,5 +43,6 @@ def seed_samples(samples: Iterable[Sample], run_seed: int, stream: int, step: in
 
 
 def call_seed(sample_seed: int, call: int) -> int:
-    """The seed of engine call ``call`` (1-based) of a launch seeded ``sample_seed``."""
+    """The seed of engine call ``call`` (1-based: turn index + 1) of a trajectory seeded
+    ``sample_seed``."""
     return mix(sample_seed, call)

@@ -7,6 +7,14 @@ response token ``j`` come from the logits at position ``P + j − 1``; logits ar
 the sampling temperature so that they describe the distribution the engine sampled from.
 The loss denominators (``LossNorm``) are computed over the whole mini-batch, so gradient
 accumulation over micro-batches gives the mini-batch gradient exactly.
+
+π_old (``algo.old_logprobs``): ``recompute`` scores every real row with the actor before the
+first optimizer step, micro-batch by micro-batch exactly as the first epoch will, so the
+first mini-batch's ratio is exactly 1; the engine's log-probs then only weigh the rollout
+correction (``algo/correction.py``), whose masked modes change the loss mask before any
+denominator is counted. ``engine`` takes the engine's log-probs as π_old (the config refuses
+combinations where they cannot be the actor's distribution). A mini-batch without loss
+tokens takes no optimizer step at all: no update from momentum, no weight decay, no LR tick.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailcut.algo.batch import TrainBatch
+from tailcut.algo.correction import rollout_correction
 from tailcut.algo.loss import LossNorm, PolicyLossSpec, entropy_from_logits, ppo_clip_loss
 from tailcut.algo.tensors import BatchTensors, to_tensors
 from tailcut.train.config import ActorConfig, AlgoConfig
@@ -62,7 +71,9 @@ class Actor:
             clip_high=algo.clip_high,
             kl_coef=algo.kl_coef,
             kl_type=algo.kl_type,
+            clip_ratio_c=algo.clip_ratio_c,
         )
+        self.algo = algo
         self.norm_len = norm_len
         self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer = torch.optim.AdamW(
@@ -135,26 +146,63 @@ class Actor:
         """One rollout step's policy update; returns averaged metrics (``train/*``)."""
         t = to_tensors(batch)
         real = [i for i, v in enumerate(batch.row_valid) if v]
+        minis = [m for m in _split(real, self.cfg.mini_batches) if m]
+        weights, old, correction = self._old_logprobs(t, minis)
         sums: dict[str, float] = {}
-        n_steps = 0
+        n_steps = skipped = 0
         for _ in range(self.cfg.epochs):
-            for mini in _split(real, self.cfg.mini_batches):
-                if not mini:
+            for mini in minis:
+                step_metrics = self._mini_batch(t, mini, old, weights)
+                if step_metrics is None:
+                    skipped += 1
                     continue
-                step_metrics = self._mini_batch(t, mini)
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_steps += 1
         out = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
+        out.update({f"train/{k}": v for k, v in correction.items()})
         out["train/optimizer_steps"] = float(n_steps)
+        out["train/skipped_mini_batches"] = float(skipped)
         out["train/rows"] = float(len(real))
         out.update(self._staleness(t))
         self.version += 1
         return out
 
-    def _mini_batch(self, t: BatchTensors, mini: list[int]) -> dict[str, float]:
+    def _old_logprobs(
+        self, t: BatchTensors, minis: list[list[int]]
+    ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+        """``(correction weights, π_old, correction metrics)``; masked IS narrows
+        ``t.loss_mask`` in place (a copy: the batch's own array is left alone)."""
+        if self.algo.old_logprobs == "engine":
+            m = (t.loss_mask > 0) & (t.row_valid > 0).unsqueeze(-1)
+            if bool((~torch.isfinite(t.engine_logprobs) & m).any()):
+                raise ValueError(
+                    "algo.old_logprobs=engine: the batch has sampled tokens without an engine "
+                    "log-prob; use algo.old_logprobs=recompute"
+                )
+            return None, t.engine_logprobs, {}
+        old = torch.zeros_like(t.engine_logprobs)
+        with torch.no_grad():
+            for mini in minis:
+                for rows in self._micro_batches(t, mini):
+                    logp, _, r_mb = self._forward(self.model, t, rows, want_entropy=False)
+                    old[rows, :r_mb] = logp.to(old.dtype).cpu()
+        mask = t.loss_mask * (t.row_valid > 0).unsqueeze(-1).to(t.loss_mask.dtype)
+        c = rollout_correction(
+            old, t.engine_logprobs, mask,
+            self.algo.rollout_correction, self.algo.rollout_correction_threshold,
+        )  # fmt: skip
+        t.loss_mask = c.loss_mask
+        return c.weights, old, c.metrics
+
+    def _mini_batch(
+        self, t: BatchTensors, mini: list[int], old: Tensor, weights: Tensor | None
+    ) -> dict[str, float] | None:
+        """One optimizer step over ``mini``; None (no step at all) when it has no loss token."""
         idx = torch.tensor(mini, dtype=torch.long)
         norm = LossNorm.of(t.loss_mask[idx], t.row_valid[idx], self.norm_len)
+        if norm.n_tokens == 0:
+            return None
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * self._lr_scale()
         self.optimizer.zero_grad(set_to_none=True)
@@ -168,13 +216,14 @@ class Actor:
             mask = t.loss_mask[rows, :r_mb].to(self.device)
             out = ppo_clip_loss(
                 logp,
-                t.old_logprobs[rows, :r_mb].to(self.device),
+                old[rows, :r_mb].to(self.device),
                 t.advantages[rows].to(self.device),
                 mask,
                 t.row_valid[rows].to(self.device),
                 norm,
                 self.spec,
                 ref_logprobs=ref,
+                weights=None if weights is None else weights[rows, :r_mb].to(self.device),
             )
             if out.loss.requires_grad:
                 out.loss.backward()
@@ -192,7 +241,14 @@ class Actor:
             "lr": self.optimizer.param_groups[0]["lr"],
             "loss_tokens": norm.n_tokens,
         }
-        for k in ("clip_frac", "ratio", "approx_kl_behaviour", "kl_ref", "entropy"):
+        for k in (
+            "clip_frac",
+            "clip_frac_dual",
+            "ratio",
+            "approx_kl_behaviour",
+            "kl_ref",
+            "entropy",
+        ):
             if k in acc:
                 metrics[k] = acc[k] / n_tok
         return metrics

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tailcut.config import AgentLoopConfig, CutoffConfig, EngineConfig, load_config
 
@@ -79,6 +79,20 @@ class AlgoConfig(_Model):
     """KL estimator (algo/loss.py)."""
     norm_len: int | None = Field(None, ge=1)
     """seq-mean-token-sum-norm: the constant L (None = agent.max_response_tokens)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, le=1000.0)
+    """Dual-clip: for tokens with A < 0 the loss is capped at |A|·c, so a stale or
+    mismatched token with a huge ratio cannot dominate (verl's ``clip_ratio_c``; None: off)."""
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    """Where π_old of the PPO ratio comes from. recompute: the actor scores the batch before
+    its update (the on-policy ratio is 1 whatever the sampler; the engine's log-probs feed
+    only ``rollout_correction``); engine: the log-probs the engine returned (refused when
+    they cannot equal the actor's distribution, e.g. top_p < 1 with sampled log-probs)."""
+    rollout_correction: Literal["none", "token-tis", "seq-tis", "token-mis", "seq-mis"] = "none"
+    """Correction for the engine/trainer mismatch w = π_old/μ (recompute only): tis
+    multiplies each token's loss by min(w, C) (seq: w of the whole sequence); mis removes
+    tokens (seq: whole sequences) with w outside [1/C, C] from the loss and its denominators."""
+    rollout_correction_threshold: float = Field(2.0, gt=1.0, le=1e6)
+    """C of ``rollout_correction``."""
 
 
 class ActorConfig(_Model):
@@ -138,10 +152,15 @@ class TrainerConfig(_Model):
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     """Most recent checkpoints kept."""
     run_dir: str = "runs/tailcut"
-    """Where the resolved config, metrics, traces, checkpoints and plots go."""
+    """Where the resolved config, metrics, traces, checkpoints and plots go: a directory of
+    its own (not the current one, nor one holding other files; ``train/run_dir.py``). It
+    remembers its experiment (``run.json``): reusing it with a config that changes what is
+    trained is refused unless ``resume=force``."""
     resume: str = "auto"
-    """auto: continue from the run directory's latest checkpoint if any; never; or a
-    checkpoint directory."""
+    """auto: continue from the run directory's newest intact checkpoint if any; never: start
+    fresh (refused when the run directory holds checkpoints); force: as auto, also when the
+    run directory was made by a different experiment config; or a checkpoint directory (a
+    directory named ``force``: ``./force``)."""
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
     """Metric sinks (jsonl is always on; wandb needs the package and WANDB_* settings)."""
     wandb_project: str = "tailcut"
@@ -149,12 +168,23 @@ class TrainerConfig(_Model):
     """Write per-step rollout traces (RUN_DIR/traces/step_k/worker_0.jsonl)."""
     step_timeout_s: float | None = Field(None, gt=0.0)
     """Hard cap on one rollout step (cut whatever the policy says)."""
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """A step in which more than this share of the ended samples FAILED (engine errors,
+    prompts that do not fit, unknown data sources) stops the run with the grouped reasons
+    (1.0: never). Cut, filtered and zero-variance samples are not failures."""
 
     @model_validator(mode="after")
     def _resume_value(self) -> TrainerConfig:
-        if self.resume not in ("auto", "never") and not self.resume.strip():
-            raise ValueError("resume must be 'auto', 'never' or a checkpoint directory")
+        if self.resume not in ("auto", "never", "force") and not self.resume.strip():
+            raise ValueError("resume must be 'auto', 'never', 'force' or a checkpoint directory")
         return self
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_given(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty; give a directory for the run, e.g. trainer.run_dir=runs/NAME")
+        return value
 
 
 class SyncConfig(_Model):
@@ -229,9 +259,42 @@ class TrainConfig(_Model):
                 f"rollout.workers: {self.rollout.workers} workers for data.batch_size="
                 f"{self.data.batch_size} prompts (each worker needs a whole group at least)"
             )
+        self._check_logprobs()
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.train_path: data.task=parquet needs a training file")
         return self
+
+    def _check_logprobs(self) -> None:
+        """π_old from the engine must be the actor's distribution (log_softmax(logits / T))."""
+        a, ag = self.algo, self.agent
+        if a.old_logprobs == "recompute":
+            return
+        if a.rollout_correction != "none":
+            raise ValueError(
+                f"algo.rollout_correction: {a.rollout_correction!r} needs "
+                "algo.old_logprobs=recompute (with engine log-probs as π_old its weight is 1)"
+            )
+        dist = self.engine.logprob_distribution
+        field = "engine.hf.logprobs" if self.engine.kind == "hf" else "engine.remote.logprobs"
+        why = None
+        if ag.temperature == 0:
+            why = "agent.temperature=0 samples greedily (the engine reports a point mass)"
+        elif dist == "sampled" and ag.top_p < 1:
+            why = (
+                f"{field}=sampled with agent.top_p={ag.top_p} gives log-probs inside the "
+                "nucleus, the actor scores the full softmax"
+            )
+        elif dist == "raw" and ag.temperature != 1:
+            why = (
+                f"{field}=raw gives temperature-1 log-probs, the actor scores "
+                f"agent.temperature={ag.temperature}"
+            )
+        if why is not None:
+            fix = "scaled" if self.engine.kind == "hf" else "a matching server mode"
+            raise ValueError(
+                f"algo.old_logprobs: 'engine' cannot give the actor's π_old: {why}; use "
+                f"algo.old_logprobs=recompute, or {field}={fix}"
+            )
 
     @property
     def n_target(self) -> int:

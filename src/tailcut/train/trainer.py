@@ -1,5 +1,5 @@
 """The GRPO training loop: rollout (over-sampled, cut) → rewards → advantages → batch →
-policy update → weight sync → validation (never cut) → checkpoint → log.
+policy update → weight sync → validation (never cut) → log → checkpoint.
 
 One step ``k`` (1-based)::
 
@@ -8,11 +8,13 @@ One step ``k`` (1-based)::
       ─► plan_rows (drop | mask | partial; deferred samples into the partial buffer,
          group baselines out of it) ─► advantages over real members
       ─► assemble ─► actor.update (in a worker thread) ─► weight sync (version k)
-      ─► every val_every: validation with wait-all ─► every save_every: checkpoint
+      ─► every val_every: validation with wait-all ─► the metrics row (flushed)
+      ─► every save_every: checkpoint (after the row: no crash loses a step's row)
 
 Everything a continued run needs is in the checkpoint (``train/checkpoint.py``); a run
 started with ``trainer.resume=auto`` in the same directory continues where the last
-checkpoint left off and gives the same next-step loss as the uninterrupted run.
+checkpoint left off and gives the same next-step loss as the uninterrupted run; the run
+directory is checked first (``train/run_dir.py``).
 """
 
 from __future__ import annotations
@@ -28,19 +30,21 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from tailcut.algo.advantage import compute_advantages
 from tailcut.algo.batch import assemble, keep_rows, plan_rows
 from tailcut.algo.buffers import BatchBuffers
 from tailcut.algo.metrics import (
     batch_metrics,
+    failure_summary,
     partial_metrics,
     rollout_metrics,
     timing_metrics,
     validation_metrics,
 )
-from tailcut.config import dump_config
 from tailcut.engine.base import Engine
+from tailcut.errors import TailcutError
 from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
 from tailcut.rollout.partial import PartialBuffer, TakeResult
 from tailcut.rollout.scheduler import run_step
@@ -54,6 +58,7 @@ from tailcut.train.config import TrainConfig
 from tailcut.train.loggers import make_loggers, truncate_jsonl
 from tailcut.train.prompts import PromptStream
 from tailcut.train.rollout_pool import make_workers
+from tailcut.train.run_dir import check_run_dir, claim_run_dir
 from tailcut.train.weight_sync import WeightSync
 from tailcut.types import Sample
 
@@ -85,6 +90,10 @@ class TrainSummary:
     final_val_reward: float | None
     wall_s: float
     history: list[dict[str, float]] = field(default_factory=list)
+
+
+class TooManyFailures(TailcutError):
+    """More of a step's samples FAILED than ``trainer.max_failed_fraction`` allows."""
 
 
 FaultHook = Callable[[int, str], None]
@@ -127,13 +136,14 @@ class Trainer:
     async def run(self, progress: Callable[[int, int], None] | None = None) -> TrainSummary:
         started = time.monotonic()
         t = self.cfg.trainer
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        plan = check_run_dir(self.cfg)  # refused before anything is read or written
         resumed = self._restore()
-        dump_config(self.cfg, self.run_dir / "config.yaml")
+        claim_run_dir(plan, self.cfg, self._warn)
         loggers = make_loggers(
             t.loggers, self.run_dir, console=self.console, config=self.cfg.model_dump(mode="json"),
             wandb_project=t.wandb_project, append=resumed is not None,
         )  # fmt: skip
+        checkpoint_s: float | None = None
         try:
             self.workers = await make_workers(
                 self.cfg, self.setup.engine, self.setup.rollout, self.setup.recipe, self.run_dir
@@ -150,10 +160,18 @@ class Trainer:
                 last = k == t.steps or (t.max_train_s is not None and self.train_s >= t.max_train_s)
                 if self._val_enabled() and (last or (t.val_every and k % t.val_every == 0)):
                     metrics.update(await self._validate(k))
-                if last or (t.save_every and k % t.save_every == 0):
-                    metrics["timing/checkpoint_s"] = self._save(k)
+                if checkpoint_s is not None:  # the checkpoint written after the step before
+                    metrics["timing/checkpoint_s"], checkpoint_s = checkpoint_s, None
                 self.history.append(metrics)
+                # The step's metrics are committed before its checkpoint: a crash between
+                # the two resumes from the previous checkpoint, and _restore drops the rows
+                # past it, so every step's row is written exactly once by the run that kept it.
                 loggers.log(k, metrics)
+                self.fault(k, "logged")
+                if last or (t.save_every and k % t.save_every == 0):
+                    loggers.sync()
+                    checkpoint_s = self._save(k)
+                    self.fault(k, "saved")
                 if progress is not None:
                     progress(k, t.steps)
                 if last:
@@ -182,6 +200,7 @@ class Trainer:
         samples = self._launch(step, taken.resumed, policy.n_launch)
         audit = bool(self.cfg.cutoff.audit_every) and step % self.cfg.cutoff.audit_every == 0
         result = await self._rollout(step, samples, policy, audit)
+        self._check_failures(step, result)
         metrics = rollout_metrics(result, policy.would_keep(result.samples) if audit else None)
         metrics["rollout/audit"] = float(audit)
         t_rollout = time.monotonic()
@@ -209,6 +228,20 @@ class Trainer:
         metrics.update(timing_metrics(phases, self._reward_s() - reward_s0))
         return metrics
 
+    def _check_failures(self, step: int, result: StepResult) -> None:
+        """Show the step's FAILED samples by cause; past ``trainer.max_failed_fraction`` of
+        the ended ones, stop the run with those causes."""
+        failures = failure_summary(result.samples)
+        if not failures.failed:
+            return
+        limit = self.cfg.trainer.max_failed_fraction
+        if failures.fraction > limit:
+            raise TooManyFailures(
+                f"step {step}: {failures.line()} (over trainer.max_failed_fraction={limit}; "
+                f"each request is in the traces under {self.run_dir / 'traces'})"
+            )
+        self.console.print(f"[yellow]step {step}: {escape(failures.line())}[/yellow]")
+
     def _reward_s(self) -> float:
         return self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
 
@@ -221,7 +254,7 @@ class Trainer:
 
     def _launch(self, step: int, resumed: list[Sample], n_launch: int) -> list[Sample]:
         """Resumed partial trajectories first, then fresh groups up to ``n_launch``: numbered
-        once, in launch order over the whole step, and seeded by that number."""
+        once, in launch order over the whole step; fresh ones seeded by that number."""
         g = self.cfg.algo.group_size
         n_fresh = n_launch - len(resumed)
         rows = self.prompts.take(-(-n_fresh // g))
@@ -233,7 +266,7 @@ class Trainer:
         samples = resumed + fresh
         for i, s in enumerate(samples):
             s.index = i
-        seed_samples(samples, self.cfg.trainer.seed, TRAIN_STREAM, step)
+        seed_samples(fresh, self.cfg.trainer.seed, TRAIN_STREAM, step)  # resumed keep theirs
         return samples
 
     async def _rollout(
@@ -288,19 +321,26 @@ class Trainer:
             self.actor.state_dict(),
             self._state(),
             keep=self.cfg.trainer.keep_checkpoints,
+            before_rename=lambda: self.fault(step, "checkpoint"),
         )
         return time.monotonic() - t0
 
     def _restore(self) -> int | None:
-        """Load the checkpoint ``trainer.resume`` names; returns its step (None: fresh)."""
+        """Load the checkpoint ``trainer.resume`` names (auto, force: the run directory's
+        newest intact one; a damaged newer one is skipped, saying which and why); returns its
+        step (None: fresh). Metrics rows past that step are dropped: the run rewrites them."""
         how = self.cfg.trainer.resume
         self._seed_everything(self.cfg.trainer.seed)
         if how == "never":
             return None
-        path = ckpt.latest_checkpoint(self.run_dir) if how == "auto" else Path(how)
-        if path is None:
-            return None
-        actor_state, state = ckpt.load_checkpoint(path)
+        if how in ("auto", "force"):
+            found = ckpt.load_latest(self.run_dir, self._warn)
+            if found is None:
+                return None
+            path, actor_state, state = found
+        else:
+            path = Path(how)
+            actor_state, state = ckpt.load_checkpoint(path)
         self.actor.load_state_dict(actor_state)
         self.step = int(state["step"])
         self.prompts.load_state_dict(state["prompts"])
@@ -312,6 +352,9 @@ class Trainer:
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
         self.console.print(f"[green]resumed from {path} (step {self.step})[/green]")
         return self.step
+
+    def _warn(self, line: str) -> None:
+        self.console.print(f"[yellow]{escape(line)}[/yellow]")
 
     @staticmethod
     def _seed_everything(seed: int) -> None:

@@ -18,7 +18,8 @@ KV cache (``hf/cache.py``), driven by one worker thread (``hf/worker.py``).
 * Log-probs of the sampled tokens (``HFEngineConfig.logprobs``: the distribution actually
   sampled from by default, or temperature-scaled, or raw at temperature 1); temperature,
   top-p, ``max_new_tokens``, stop ids and EOS (unless ``ignore_eos``) per request;
-  per-request seeds (each request has its own random stream, independent of its batch).
+  per-request seeds (each request has its own random stream, independent of its batch;
+  ``seed_offset`` skips the draws of tokens a continued generation already has).
 * GPU efficiency: per forward pass the host does a fixed number of device calls and waits
   on the device once (``hf/step.py``: inputs in one copy per kind, the whole batch sampled
   on the device, tokens and log-probs back in one copy); on CUDA the decode pass replays a
@@ -121,6 +122,8 @@ class HFEngine(BaseEngine):
             )
         if sp.seed is not None:
             rng = random.Random(sp.seed)
+            for _ in range(sp.seed_offset):  # one draw per sampled token
+                rng.random()
         else:
             self._seed_counter += 1
             rng = random.Random((self.config.seed << 32) + self._seed_counter)
