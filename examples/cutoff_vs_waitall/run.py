@@ -45,6 +45,12 @@ VARIANTS: dict[str, list[str]] = {
     "target-count/mask": ["cutoff.policy=target-count", "cutoff.aborted=mask"],
     "deadline/drop": ["cutoff.policy=deadline", "cutoff.aborted=drop"],
     "deadline/mask": ["cutoff.policy=deadline", "cutoff.aborted=mask"],
+    "target-count/partial": ["cutoff.policy=target-count", "cutoff.aborted=partial"],
+    "target-count/partial+tis": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=partial",
+        "algo.rollout_correction=token-tis",
+    ],
 }
 ESTIMATORS = ("completed_mean", "all_zero_filled", "group_imputed")
 
@@ -98,6 +104,9 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             "val_start": val[0] if val else None,
             "val_final": val[-1] if val else None,
             "val_best": max(val) if val else None,
+            "mismatch_kl": _mean([r.get("train/mismatch_kl") for r in steps]),
+            "version_lag": _mean([r.get("train/version_lag_mean") for r in steps]),
+            "is_clipped": _mean([r.get("train/rollout_is_clipped_frac") for r in steps]),
         }
         if base_final is not None:
             reach = time_to_reach(rows, base_final)
@@ -121,9 +130,9 @@ def _final_val(rows: list[dict[str, Any]] | None) -> float | None:
     return vals[-1] if vals else None
 
 
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
+def _mean(xs: list[float | None]) -> float:
+    got = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(got) / len(got) if got else float("nan")
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -204,6 +213,9 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
         ("bias_completed_mean", "bias completed", "+.3f"),
         ("bias_all_zero_filled", "bias zero-filled", "+.3f"),
         ("bias_group_imputed", "bias imputed", "+.3f"),
+        ("mismatch_kl", "mismatch KL", ".2e"),
+        ("version_lag", "version lag", ".3f"),
+        ("is_clipped", "IS truncated", ".2%"),
     )
     seeds = sorted(per_seed)
     names = list(next(iter(per_seed.values())))

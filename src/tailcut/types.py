@@ -114,10 +114,11 @@ class SamplingParams:
     seed: int | None = None
     seed_offset: int = 0
     """Draws of the ``seed`` stream already used: a generation continued after a cut (its
-    first ``seed_offset`` tokens are at the end of the prompt). An engine that can skip
-    draws (the embedded one) continues the same stream, so the continued tokens are the ones
-    the uncut generation would have sampled; the servers get a seed derived from both
-    (:meth:`stream_seed`), never the first draws again."""
+    first ``seed_offset`` tokens are at the end of the prompt). Engines whose draws are
+    keyed by position (SGLang's seeded sampling) or that can skip draws (the embedded one)
+    continue the same stream, so the continued tokens are the ones the uncut generation
+    would have sampled; an engine that draws in order from the seed (vLLM) gets a seed
+    derived from both (:meth:`stream_seed`), never the first draws again."""
 
     def stream_seed(self) -> int | None:
         """One seed for engines that cannot skip draws: ``seed`` itself when nothing was

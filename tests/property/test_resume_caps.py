@@ -108,6 +108,7 @@ def test_cut_and_resumed_obeys_the_caps_and_samples_the_uncut_tokens(
     assert s.status is uncut.status and s.finish_reason is uncut.finish_reason
     assert list(s.response_ids) == list(uncut.response_ids)
     assert list(s.loss_mask) == list(uncut.loss_mask)
+    assert s.messages == uncut.messages  # the conversation the reward reads
     assert len(s.response_ids) <= max_response
     assert all(n <= max_new for n in sampled_runs(s))
     assert [t.index for t in s.turns] == list(range(len(uncut.turns)))  # each turn once

@@ -235,6 +235,23 @@ def test_a_seeded_request_is_reproducible_alone_and_in_a_batch(model: Any) -> No
     assert other_seed.output_ids != a.output_ids
 
 
+def test_a_continued_generation_goes_on_with_the_same_seed_stream(model: Any) -> None:
+    """Cut after k tokens and continued with ``seed_offset=k`` (the k tokens at the end of
+    the prompt): the rest is what the uncut generation sampled."""
+    p = prompt(2, 7)
+    full = run(model, lambda e: e.generate(req(p, 16, temperature=1.0, seed=77, ignore_eos=True)))
+    for k in (1, 5, 11):
+        rest = run(
+            model,
+            lambda e, k=k: e.generate(
+                req(p + full.output_ids[:k], 16 - k, temperature=1.0, seed=77, seed_offset=k,
+                    ignore_eos=True)
+            ),
+        )  # fmt: skip
+        assert rest.output_ids == full.output_ids[k:], k
+        assert rest.logprobs == pytest.approx(full.logprobs[k:], abs=1e-4)
+
+
 def test_stop_token_ids_end_the_request_with_the_stop_token(model: Any) -> None:
     p = prompt(2, 8)
     free = run(model, lambda e: e.generate(req(p, 24, temperature=0.0)))

@@ -77,16 +77,15 @@ def test_recompute_makes_the_on_policy_ratio_exactly_one_whatever_the_engine_sai
     assert out["train/mismatch_kl"] > 0.1  # the gap is measured, not trained on
 
 
-def test_recompute_with_a_matched_engine_gives_the_engine_modes_update() -> None:
-    probe = actor()
+@pytest.mark.parametrize(("mini_batches", "epochs"), [(1, 1), (1, 2), (2, 1), (3, 2)])
+def test_recompute_with_a_matched_engine_gives_the_engine_modes_update(
+    mini_batches: int, epochs: int
+) -> None:
     b = batch()
-    t_minis = [[i for i, v in enumerate(b.row_valid) if v]]
-    from tailcut.algo.tensors import to_tensors
-
-    _, own, _ = probe._old_logprobs(to_tensors(b), t_minis)  # the actor's own π_old
-    b.engine_logprobs[:] = own.numpy()
-    ref = actor(AlgoConfig(old_logprobs="recompute"))
-    eng = actor(AlgoConfig(old_logprobs="engine"))
+    b.engine_logprobs[:] = actor().logprobs(b).numpy()  # the actor's own π_old
+    kw = {"mini_batches": mini_batches, "epochs": epochs}
+    ref = actor(AlgoConfig(old_logprobs="recompute"), **kw)
+    eng = actor(AlgoConfig(old_logprobs="engine"), **kw)
     m_ref, m_eng = ref.update(copy.deepcopy(b)), eng.update(copy.deepcopy(b))
     assert m_ref["train/loss"] == m_eng["train/loss"]
     for name, p in params(ref).items():
@@ -186,12 +185,8 @@ def test_masked_is_removes_tokens_from_the_loss_and_from_its_denominators() -> N
 
 def test_masked_is_batch_equals_the_batch_without_the_rejected_tokens() -> None:
     b = batch(seed=3)
-    mu = b.engine_logprobs.copy()
     a1, a2 = actor(AlgoConfig(rollout_correction="token-mis")), actor()
-    from tailcut.algo.tensors import to_tensors
-
-    minis = [[i for i, v in enumerate(b.row_valid) if v]]
-    _, own, _ = a2._old_logprobs(to_tensors(b), minis)
+    own = a2.logprobs(b)
     b.engine_logprobs[:] = own.numpy()
     b.engine_logprobs[0, 0] -= 5.0  # one token far off: w = e^5, rejected
     b.engine_logprobs[2, 1] += 5.0
@@ -203,7 +198,23 @@ def test_masked_is_batch_equals_the_batch_without_the_rejected_tokens() -> None:
     assert out["train/loss_tokens"] == ref["train/loss_tokens"] == b.n_loss_tokens - 2
     assert out["train/loss"] == pytest.approx(ref["train/loss"], abs=1e-6)
     assert out["train/rollout_is_clipped_frac"] == pytest.approx(2 / b.n_loss_tokens)
-    assert mu.shape == b.engine_logprobs.shape
+
+
+def test_a_mini_batch_emptied_by_masked_is_takes_no_step() -> None:
+    a = actor(AlgoConfig(rollout_correction="seq-mis"))
+    before = params(a)
+    out = a.update(batch(engine_lp=-30.0))  # every sequence far from the actor: rejected
+    assert out["train/skipped_mini_batches"] == 1.0 and out["train/optimizer_steps"] == 0.0
+    assert out["train/rollout_is_clipped_frac"] == 1.0
+    assert all(torch.equal(p, before[k]) for k, p in params(a).items())
+
+
+def test_seq_mis_keeps_sequences_inside_the_bounds() -> None:
+    old = _lp([0.0, 0.0], [0.0, 0.0])
+    mu = _lp([-0.2, -0.2], [-2.0, 0.0])  # w_seq = e^0.4 (kept), e^2 (> 2: rejected)
+    c = rollout_correction(old, mu, torch.ones(2, 2), "seq-mis", 2.0)
+    assert c.loss_mask.tolist() == [[1, 1], [0, 0]]
+    assert c.metrics["rollout_is_clipped_frac"] == 0.5
 
 
 # -- dual-clip ---------------------------------------------------------------------------
@@ -318,3 +329,32 @@ def test_missing_engine_logprobs_are_nan_never_zero_otherwise(chat_tokenizer: An
     assert s.status is Status.COMPLETED
     sampled = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]
     assert sampled and all(math.isnan(x) for x in sampled)
+
+
+def test_servers_get_a_fresh_seed_for_a_continued_generation_never_the_first_draws() -> None:
+    from tailcut.types import SamplingParams
+
+    assert SamplingParams(seed=5).stream_seed() == 5
+    assert SamplingParams(seed=None, seed_offset=3).stream_seed() is None
+    derived = {SamplingParams(seed=5, seed_offset=k).stream_seed() for k in range(1, 50)}
+    assert len(derived) == 49 and 5 not in derived
+    assert (
+        SamplingParams(seed=5, seed_offset=7).stream_seed()
+        == SamplingParams(seed=5, seed_offset=7).stream_seed()
+    )
+
+
+def test_each_server_is_sent_the_seed_that_continues_its_stream() -> None:
+    from tailcut.config import RemoteEngineConfig
+    from tailcut.engine.sglang import sampling_params
+    from tailcut.engine.vllm import VLLMEngine
+    from tailcut.types import GenerateRequest, SamplingParams, new_request_id
+
+    def request(offset: int) -> GenerateRequest:
+        return GenerateRequest(new_request_id(), [1, 2], SamplingParams(seed=5, seed_offset=offset))
+
+    vllm = VLLMEngine(["http://127.0.0.1:9"], RemoteEngineConfig(model_name="m"))
+    assert vllm.body(request(0))["seed"] == 5
+    assert vllm.body(request(4))["seed"] == SamplingParams(seed=5, seed_offset=4).stream_seed() != 5
+    # SGLang keys its seeded draws by position: prompt + prior tokens continue the stream.
+    assert sampling_params(request(4))["sampling_seed"] == 5

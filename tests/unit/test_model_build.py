@@ -10,7 +10,12 @@ from fakes.tiny_model import TINY  # noqa: E402
 from tailcut.chat.template import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: E402
 from tailcut.data import arith  # noqa: E402
 from tailcut.models import build  # noqa: E402
-from tailcut.models.resolve import ModelNotFoundError, resolve_model  # noqa: E402
+from tailcut.models.resolve import (  # noqa: E402
+    BrokenModelError,
+    ModelNotFoundError,
+    resolve_model,
+    verify_build,
+)
 from tailcut.models.sft import _collate, common_prefix, encode_conversations, masked_loss  # noqa: E402
 from tailcut.models.tokenizer import chat_renderer  # noqa: E402
 
@@ -193,3 +198,141 @@ def test_builtin_model_is_useful_but_imperfect():
     by_steps = {row["steps"]: row["accuracy"] for row in info["accuracy_any_format_by_steps"]}
     assert by_steps["1"] > by_steps["4-7"]
     assert 100_000 <= info["parameters"] <= 10_000_000
+
+
+# -- integrity of built models ---------------------------------------------------------------
+
+
+def test_the_build_info_records_every_built_file(tiny_dir):
+    info = json.loads((tiny_dir / build.BUILD_INFO).read_text())
+    names = {p.name for p in tiny_dir.iterdir()} - {build.BUILD_INFO}
+    assert set(info["files"]) == names and set(FILES) <= names
+    for name, entry in info["files"].items():
+        assert entry == {
+            "size": (tiny_dir / name).stat().st_size,
+            "sha256": _digest(tiny_dir / name),
+        }
+    assert verify_build(tiny_dir, build.recipe_hash(TINY)) is None
+
+
+def _copy(tiny_dir, dest):
+    import shutil
+
+    shutil.copytree(tiny_dir, dest)
+    return dest
+
+
+def _tree(root):
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+DAMAGE = {
+    "truncated weights": (lambda d: _cut(d / "model.safetensors"), r"model\.safetensors is \d+ bytes, the build wrote"),
+    "empty weights": (lambda d: (d / "model.safetensors").write_bytes(b""), r"model\.safetensors is 0 bytes"),
+    "bad config.json": (lambda d: (d / "config.json").write_text("{oops"), r"config\.json is"),
+    "bad tokenizer.json": (lambda d: _flip(d / "tokenizer.json"), r"tokenizer\.json differs"),
+    "missing tokenizer.json": (lambda d: (d / "tokenizer.json").unlink(), r"tokenizer\.json is missing"),
+    "bad build info": (lambda d: (d / build.BUILD_INFO).write_text("[1"), r"tailcut_build\.json is damaged"),
+}  # fmt: skip
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_build_directory_is_one_line_with_the_fix(tiny_dir, tmp_path, case):
+    from typer.testing import CliRunner
+
+    from tailcut.app.cli import app
+
+    damage, reason = DAMAGE[case]
+    model = _copy(tiny_dir, tmp_path / "model")
+    damage(model)
+    before = _tree(tmp_path)
+    with pytest.raises(BrokenModelError, match=reason) as err:
+        resolve_model(model)
+    assert "\n" not in str(err.value)
+    assert f"rebuild it with `tailcut model init --out {model} --force`" in str(err.value)
+    result = CliRunner().invoke(app, ["model", "path", str(model)])
+    assert result.exit_code == 1 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: model ") and "damaged" in line and "Traceback" not in line
+    assert _tree(tmp_path) == before
+
+
+def _builtin_cache(tiny_dir, cache):
+    """``cache`` as TAILCUT_CACHE holding the tiny build as the built-in model."""
+    model = _copy(tiny_dir, cache / "models" / build.recipe_hash(build.ModelRecipe()))
+    info = json.loads((model / build.BUILD_INFO).read_text())
+    info["hash"] = build.recipe_hash(build.ModelRecipe())
+    (model / build.BUILD_INFO).write_text(json.dumps(info))
+    return model
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated weights", "empty weights", "bad config.json", "bad tokenizer.json"]
+)
+def test_a_damaged_builtin_cache_is_refused_not_loaded(tiny_dir, tmp_path, monkeypatch, case):
+    from typer.testing import CliRunner
+
+    from tailcut.app.cli import app
+
+    monkeypatch.setenv("TAILCUT_CACHE", str(tmp_path))
+    model = _builtin_cache(tiny_dir, tmp_path)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the resolver must not build over a damaged cache")
+
+    monkeypatch.setattr(build, "ensure_built", no_build)
+    assert resolve_model("builtin") == model
+    ok = CliRunner().invoke(app, ["model", "path"])
+    assert ok.exit_code == 0 and ok.stdout.strip() == str(model)
+    DAMAGE[case][0](model)
+    before = _tree(tmp_path)
+    with pytest.raises(BrokenModelError, match="rebuild it with `tailcut model init --force`"):
+        resolve_model("builtin")
+    result = CliRunner().invoke(app, ["model", "path"])
+    assert result.exit_code == 1 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: the built-in model in {model} is damaged: ")
+    assert line.endswith("rebuild it with `tailcut model init --force`")
+    assert _tree(tmp_path) == before
+
+
+def test_a_build_from_before_file_hashes_is_checked_by_structure(tiny_dir, tmp_path):
+    model = _copy(tiny_dir, tmp_path / "model")
+    info = json.loads((model / build.BUILD_INFO).read_text())
+    del info["files"]
+    (model / build.BUILD_INFO).write_text(json.dumps(info))
+    assert verify_build(model) is None
+    _cut(model / "model.safetensors")
+    assert "model.safetensors is" in verify_build(model) and "truncated" in verify_build(model)
+    (model / "model.safetensors").write_bytes(b"")
+    assert verify_build(model) == "model.safetensors is truncated (0 bytes)"
+    _copy(tiny_dir, tmp_path / "again")
+    (tmp_path / "again" / build.BUILD_INFO).write_text(json.dumps(info))
+    (tmp_path / "again" / "tokenizer.json").write_text('{"version": ')
+    assert verify_build(tmp_path / "again").startswith("tokenizer.json is not valid JSON")
+
+
+def test_a_damaged_build_is_rebuilt_and_interrupted_builds_are_swept(tiny_dir, tmp_path):
+    model = _copy(tiny_dir, tmp_path / "model")
+    _cut(model / "model.safetensors")
+    leftovers = [tmp_path / ".model.k2j3h4", tmp_path / ".model.old-9x8y"]
+    for d in leftovers:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    assert not build.is_built(model, TINY)
+    result = build.ensure_built(TINY, model)
+    assert not result.cached and build.is_built(model, TINY)
+    assert not any(d.exists() for d in leftovers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    for name in FILES:
+        assert _digest(model / name) == _digest(tiny_dir / name), name

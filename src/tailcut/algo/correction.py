@@ -68,6 +68,9 @@ def _seq_log_w(log_w: Tensor, m: Tensor) -> Tensor:
 
 Mode = Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
 
+MASKED_MODES = ("token-mis", "seq-mis")
+"""Modes that change the loss mask (so they must be known before any denominator)."""
+
 MODES: dict[str, Mode | None] = {
     "none": None,
     "token-tis": _token_tis,

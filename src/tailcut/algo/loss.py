@@ -190,7 +190,7 @@ def ppo_clip_loss(
             "clip_frac": ((pg_clipped > pg_unclipped).float() * m).sum(),
             "clip_frac_dual": (dual.float() * m).sum(),
             "ratio": (ratio * m).sum(),
-            "approx_kl_behaviour": (kl_k3(lp, old) * m).sum(),
+            "approx_kl": (kl_k3(lp, old) * m).sum(),
             "loss_tokens": m.sum(),
         }
     if spec.kl_coef > 0.0 and ref_logprobs is not None:

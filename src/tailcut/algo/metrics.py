@@ -276,7 +276,7 @@ class FailureSummary:
 
 def failure_summary(samples: Sequence[Sample]) -> FailureSummary:
     failed = [s for s in samples if s.status is Status.FAILED]
-    ended = sum(1 for s in samples if s.status is not Status.ABORTED)
+    ended = sum(1 for s in samples if s.status in FINISHED or s.status is Status.FAILED)
     counts: Counter[str] = Counter()
     first: dict[str, str] = {}
     for s in failed:

@@ -9,13 +9,12 @@ is a multi-turn tool-agent row whose tool gets the ground truth as ``create_kwar
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailcut.data.verl import DataError, RowProblem, write_rows
+from tailcut.data.verl import DataError, RowProblem, check_not_input, write_rows
+from tailcut.jsonl import BadLine, json_lines
 
 DAPO_DATA_SOURCE = "math_dapo"
 DAPO_INSTRUCTION = (
@@ -59,17 +58,6 @@ def _text(value: Any) -> str | None:
     return None
 
 
-def _lines(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield lineno, DataError(f"not JSON ({exc.msg})")
-
-
 def make_row(question: str, answer: str, index: int, opts: ConvertOptions) -> dict[str, Any]:
     """One DAPO-style verl row."""
     prompt = [{"role": "system", "content": opts.system_prompt}] if opts.system_prompt else []
@@ -100,10 +88,10 @@ def convert_records(
     """Rows for every usable line, and a problem for every other line (``row`` = line number)."""
     rows: list[dict[str, Any]] = []
     problems: list[RowProblem] = []
-    for lineno, rec in _lines(path):
+    for lineno, rec in json_lines(path, DataError):
         reason = None
-        if isinstance(rec, DataError):
-            reason = str(rec)
+        if isinstance(rec, BadLine):
+            reason = rec.reason
         elif not isinstance(rec, dict):
             reason = f"expected an object, got {type(rec).__name__}"
         else:
@@ -122,15 +110,19 @@ def convert_records(
 
 def convert(src: Path, out: Path, opts: ConvertOptions) -> tuple[int, list[RowProblem]]:
     """Convert ``src`` JSONL to ``out`` parquet; return the rows written and skipped lines."""
-    src = Path(src)
+    src, out = Path(src), Path(out)
     if not src.is_file():
         raise DataError(f"{src}: no such file")
+    check_not_input(out, [src])
     rows, problems = convert_records(src, opts)
     if problems and not opts.skip_bad:
-        shown = "\n".join(f"  {src}:{p.row}: {p.reason}" for p in problems[:20])
+        shown = [f"{src}:{p.row}: {p.reason}" for p in problems[:20]]
+        if len(problems) == 1:
+            raise DataError(shown[0])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise DataError(f"{src}: {len(problems)} bad line(s):\n{shown}{more}")
+        listed = "".join(f"\n  {line}" for line in shown)
+        raise DataError(f"{src}: {len(problems)} bad line(s):{listed}{more}")
     if not rows:
         raise DataError(f"{src}: no usable lines")
-    write_rows(rows, Path(out))
+    write_rows(rows, out)
     return len(rows), problems

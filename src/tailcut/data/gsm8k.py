@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailcut.data.verl import DataError, write_rows
+from tailcut.data.verl import DataError, check_not_input, write_rows
 from tailcut.jsonl import read_jsonl
 
 DATA_SOURCE = "openai/gsm8k"
@@ -95,14 +95,18 @@ def convert_split(path: Path, split: str, prompts: Prompts | None = None) -> lis
 
 
 def preprocess(src: Path, out: Path, prompts: Prompts | None = None) -> dict[str, int]:
-    """Write ``out/train.parquet`` and ``out/test.parquet``; return the row count per split."""
+    """Write ``out/train.parquet`` and ``out/test.parquet``; return the row count per split.
+    Both splits are converted before either file is written: a bad line writes nothing."""
     src, out = Path(src), Path(out)
-    missing = [f"{s}.jsonl" for s in SPLITS if not (src / f"{s}.jsonl").is_file()]
+    inputs = [src / f"{s}.jsonl" for s in SPLITS]
+    missing = [p.name for p in inputs if not p.is_file()]
     if missing:
         raise DataError(f"{src}: missing {missing} (expected GSM8K's train.jsonl and test.jsonl)")
-    counts: dict[str, int] = {}
     for split in SPLITS:
-        rows = convert_split(src / f"{split}.jsonl", split, prompts)
-        write_rows(rows, out / f"{split}.parquet")
-        counts[split] = len(rows)
-    return counts
+        check_not_input(out / f"{split}.parquet", inputs)
+    rows = {
+        split: convert_split(p, split, prompts) for split, p in zip(SPLITS, inputs, strict=True)
+    }
+    for split, split_rows in rows.items():
+        write_rows(split_rows, out / f"{split}.parquet")
+    return {split: len(split_rows) for split, split_rows in rows.items()}

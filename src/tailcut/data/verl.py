@@ -22,11 +22,15 @@ names every bad row, or a reported, skipped row (``on_bad_row="skip"``).
 from __future__ import annotations
 
 import logging
+import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from tailcut.errors import TailcutError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ CountTokens = Callable[[Sequence[Mapping[str, Any]]], int]
 """Counts the prompt tokens of a message list (the caller applies its chat template)."""
 
 
-class DataError(ValueError):
+class DataError(TailcutError, ValueError):
     """A dataset file that cannot be used; the message names the file, rows and reasons."""
 
 
@@ -128,8 +132,18 @@ class PromptSet:
 # -- parquet I/O ---------------------------------------------------------------------------
 
 
+def check_not_input(out: Path, inputs: Iterable[Path]) -> None:
+    """Refuse an output path that is one of the (existing) inputs: the same path, a link to
+    it or a hard link; raises ``DataError`` naming both."""
+    for src in inputs:
+        if os.path.exists(out) and os.path.samefile(out, src):
+            raise DataError(f"{out}: the output is the input {src}; choose another output path")
+
+
 def write_rows(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Write dict rows as a parquet file (nested dicts become Arrow structs)."""
+    """Write dict rows as a parquet file (nested dicts become Arrow structs), atomically: into
+    a temporary file next to ``path``, renamed over it once complete, so a failed write
+    leaves no partial file and an existing ``path`` as it was."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -140,18 +154,26 @@ def write_rows(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise DataError(f"{path}: rows do not form one Arrow schema: {exc}") from None
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        pq.write_table(table, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
     except pa.ArrowNotImplementedError as exc:
         # e.g. an empty dict in every row: Arrow cannot store a struct with no field.
         raise DataError(f"{path}: cannot store these rows in parquet: {exc}") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        if tmp.exists():  # False too where the folder could not be made
+            tmp.unlink()
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Read the known columns of a verl-format parquet file as dicts (extra columns dropped).
 
-    Raises ``DataError`` when the file is missing, not parquet, or lacks a required column.
+    Raises ``DataError`` when the file is missing, not parquet, damaged, lacks a required
+    column or has no rows.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -160,17 +182,31 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"{path}: not a readable parquet file ({exc})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
-    if missing:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError):
         raise DataError(
-            f"{path}: missing column(s) {missing}; a verl-format file needs {list(REQUIRED_COLUMNS)} "
-            f"(found {schema.names})"
-        )
-    columns = [c for c in KNOWN_COLUMNS if c in schema.names]
-    return pq.read_table(path, columns=columns).to_pylist()
+            f"{path}: not a readable parquet file (its footer is missing or damaged)"
+        ) from None
+    with pf:
+        names = pf.schema_arrow.names
+        missing = [c for c in REQUIRED_COLUMNS if c not in names]
+        if missing:
+            raise DataError(
+                f"{path}: missing column(s) {missing}; a verl-format file needs "
+                f"{list(REQUIRED_COLUMNS)} (found {names})"
+            )
+        if pf.metadata.num_rows == 0:
+            raise DataError(f"{path}: no rows (an empty dataset)")
+        columns = {}
+        for name in (c for c in KNOWN_COLUMNS if c in names):
+            try:
+                columns[name] = pf.read(columns=[name]).column(0)
+            except (pa.ArrowException, OSError):
+                raise DataError(
+                    f"{path}: column {name!r} cannot be read: the file is damaged "
+                    "(truncated or overwritten); write it again"
+                ) from None
+    return pa.table(columns).to_pylist()
 
 
 # -- validation ----------------------------------------------------------------------------

@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from tailcut.errors import TailcutError
 from tailcut.types import GenerateRequest, GenerateResult
 
 
-class EngineError(RuntimeError):
+class EngineError(TailcutError, RuntimeError):
     """The engine failed (died, refused, or answered with an error)."""
 
 

@@ -56,7 +56,7 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
-        params["sampling_seed"] = s.stream_seed()
+        params["sampling_seed"] = s.seed  # keyed by position: a continuation goes on as is
     return params
 
 

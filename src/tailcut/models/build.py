@@ -10,7 +10,15 @@ content hash of the recipe, the chat template and the build code's version.
 The directory holds ``config.json`` (``Qwen2ForCausalLM``, vocabulary padded to a multiple
 of 64, tied embeddings), ``model.safetensors``, ``generation_config.json``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template) and
-``tailcut_build.json`` (the recipe, the hash, the loss curve and the held-out accuracy).
+``tailcut_build.json`` (the recipe, the hash, the loss curve, the held-out accuracy and
+``files``: each built file's size and sha256).
+
+:func:`verify_build` checks a build against its ``files`` (and, for builds made before
+them, checks that the JSON files parse and ``model.safetensors`` is as long as its header
+says): the resolver refuses a damaged built-in model with a one-line error, ``tailcut model
+init`` rebuilds it. A build writes into a temporary ``.<hash>.*`` directory beside its
+output and renames it into place; temporary directories an interrupted build left behind
+are removed by the next build of that output.
 """
 
 from __future__ import annotations
@@ -30,12 +38,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tailcut.chat.template import CHAT_TEMPLATE, END_OF_TEXT, IM_END
+from tailcut.models.resolve import BUILD_INFO, sha256_file, verify_build
 
 UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
 
 BUILD_VERSION = 2
 """Bump when the build code changes what a recipe produces."""
-BUILD_INFO = "tailcut_build.json"
 THREADS = 2
 """Intra-op threads during the build (results depend on it, so it is fixed)."""
 
@@ -117,13 +125,15 @@ def default_model_dir(recipe: ModelRecipe | None = None) -> Path:
 
 
 def is_built(path: Path, recipe: ModelRecipe) -> bool:
-    info = path / BUILD_INFO
-    if not info.is_file() or not (path / "model.safetensors").is_file():
-        return False
-    try:
-        return json.loads(info.read_text(encoding="utf-8")).get("hash") == recipe_hash(recipe)
-    except (OSError, json.JSONDecodeError):
-        return False
+    return verify_build(path, recipe_hash(recipe)) is None
+
+
+def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != BUILD_INFO
+    }
 
 
 def _task(recipe: ModelRecipe) -> Any:
@@ -277,14 +287,26 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
             ],
             "build_seconds": round(time.monotonic() - started, 1),
         }
+        info["files"] = _manifest(tmp)
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists():  # moved aside first: a reader never sees a half-removed build
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            shutil.rmtree(old)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return info
+
+
+def sweep_temporary(out: Path) -> list[Path]:
+    """Remove the temporary ``.<name>.*`` directories interrupted builds of ``out`` left
+    (call under the build lock of ``out``); returns them."""
+    swept = [p for p in Path(out).parent.glob(f".{Path(out).name}.*") if p.is_dir()]
+    for p in swept:
+        shutil.rmtree(p, ignore_errors=True)
+    return swept
 
 
 def ensure_built(
@@ -302,6 +324,7 @@ def ensure_built(
     with _build_lock(path):
         if not force and is_built(path, recipe):  # another process built it meanwhile
             return _cached(path)
+        sweep_temporary(path)
         info = build(recipe, path, progress)
     return BuildResult(path, info["hash"], False, info)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import secrets
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -205,7 +206,7 @@ class _Trajectory:
     async def _turn(self, index: int) -> FinishReason | None:
         sample = self.sample
         budget = self.cfg.max_response_tokens - len(sample.response_ids)
-        if budget <= 0:
+        if budget <= 0 and not self._continues(index):
             return FinishReason.LENGTH
         turn = self._open_turn(index)
         self.tracer.emit(EventKind.TURN_START, sample.workid, turn=index)
@@ -231,6 +232,11 @@ class _Trajectory:
                 tool_calls=turn.tool_calls,
                 tool_errors=turn.tool_errors,
             )
+
+    def _continues(self, index: int) -> bool:
+        """Whether turn ``index`` is one a cut left open (it is recorded even with no
+        budget left: its tokens must reach the conversation)."""
+        return False
 
     def _open_turn(self, index: int) -> Turn:
         """The record of turn ``index``: a new one, appended to the sample."""
@@ -275,7 +281,8 @@ class _Trajectory:
         sample = self.sample
         have = turn.output_tokens
         max_new = min(self.cfg.max_new_tokens - have, budget)
-        if max_new <= 0:
+        if max_new <= 0:  # a continued turn that had already sampled all it may
+            turn.finish_reason = FinishReason.LENGTH
             return GenerateResult(turn.request_id, [], FinishReason.LENGTH, [])
         sampling = SamplingParams(
             temperature=self.cfg.temperature,
@@ -311,7 +318,7 @@ class _Trajectory:
         if not self.require_logprobs or not result.output_ids:
             return
         lps = result.logprobs
-        missing = len(result.output_ids) if lps is None else sum(1 for x in lps if x != x)
+        missing = len(result.output_ids) if lps is None else sum(not math.isfinite(x) for x in lps)
         if missing:
             raise EngineError(
                 f"engine {self.engine.name} returned no log-prob for {missing} of "
@@ -322,13 +329,14 @@ class _Trajectory:
     def _engine_call_end(
         self, turn: Turn, started: float, reason: FinishReason, cancelled: bool = False
     ) -> None:
+        seconds = self.clock() - started
         turn.finish_reason = reason
-        turn.engine_s = self.clock() - started
+        turn.engine_s += seconds  # a continued turn adds its calls up
         extra = {"cancelled": True} if cancelled else {}
         self.tracer.emit(
             EventKind.TURN_ENGINE_CALL,
             self.sample.workid,
-            duration_sec=turn.engine_s,
+            duration_sec=seconds,
             turn=turn.index,
             request_id=turn.request_id,
             output_tokens=turn.output_tokens,

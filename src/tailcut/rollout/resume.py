@@ -57,13 +57,18 @@ class _Resumed(_Trajectory):
         self.continue_generation = continue_generation
         self.first = first
 
-    def _open_turn(self, index: int) -> Turn:
+    def _continues(self, index: int) -> bool:
         turns = self.sample.turns
-        if self.prior is None or not turns or turns[-1].index != index:
+        return self.prior is not None and bool(turns) and turns[-1].index == index
+
+    def _open_turn(self, index: int) -> Turn:
+        if not self._continues(index):
             return super()._open_turn(index)
+        turns = self.sample.turns
         turn = turns[-1]  # the turn the cut left open goes on
-        turn.request_id = new_request_id()
-        turn.output_tokens = len(self.prior)
+        if self.continue_generation:  # a new engine call (a replay sends none)
+            turn.request_id = new_request_id()
+        turn.output_tokens = len(self.prior or ())
         return turn
 
     async def turns(self) -> FinishReason:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailcut.engine.base import Engine, EngineStats
+from tailcut.errors import TailcutError
 from tailcut.trace.events import Tracer
 from tailcut.types import Sample, Status
 
@@ -18,7 +19,7 @@ class RolloutFn(Protocol):
     async def __call__(self, sample: Sample, engine: Engine, tracer: Tracer) -> None: ...
 
 
-class StepFailed(RuntimeError):
+class StepFailed(TailcutError, RuntimeError):
     """The step could not finish (engine died, aborts not confirmed)."""
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
+from tailcut.errors import TailcutError
 from tailcut.tools.sandbox import SandboxResult, SandboxStatus, looks_like_memory_error
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
 
-class FusionError(RuntimeError):
+class FusionError(TailcutError, RuntimeError):
     """The Sandbox Fusion server could not run the code (not an error of the code)."""
 
 

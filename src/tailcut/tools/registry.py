@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tailcut.errors import TailcutError
 from tailcut.tools.base import Tool, ToolLimits, ToolSet
 
 VERL_CLASSES: dict[str, str] = {
@@ -45,7 +46,7 @@ TOOLS: dict[str, str] = {
 tool-config file (:func:`load_tool_config`)."""
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(TailcutError, ValueError):
     """A tool-config file that cannot be loaded; the message names file and field."""
 
 

@@ -257,15 +257,22 @@ class Tracer:
         return stamp
 
     def flush(self) -> None:
+        """Write the buffered lines, each whole with its newline, and flush the file. The
+        lines leave the buffer first: a failed write is not retried into a duplicate."""
         if self._file is None or not self._lines:
             return
-        self._file.write("\n".join(self._lines) + "\n")
-        self._file.flush()
+        text = "\n".join(self._lines) + "\n"
         self._lines.clear()
+        self._file.write(text)
+        self._file.flush()
 
     def close(self) -> None:
-        self.flush()
-        if self._file is not None:
+        """Flush and close; the file is closed even when the last write fails."""
+        if self._file is None:
+            return
+        try:
+            self.flush()
+        finally:
             self._file.close()
             self._file = None
 

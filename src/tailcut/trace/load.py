@@ -1,9 +1,14 @@
 """Load a traced run: find its step files, validate every record, rebuild each request.
 
-A run directory holds ``step_{k}/worker_{r}.jsonl``; a benchmark directory holds one such
-run per policy (``<policy>/step_{k}/...``), and both may be given. Every record is checked
-against the event schema and every request must have exactly one terminal event; all
-problems are collected and raised together as a :class:`TraceError` naming ``file:line``.
+A traces directory holds ``step_{k}/worker_{r}.jsonl``; a benchmark directory holds one
+such run per policy (``<policy>/step_{k}/...``); a training run keeps its traces in
+``RUN_DIR/traces``. Any of these, one step directory or one file may be given. Every record
+is checked against the event schema and every request must have exactly one terminal event;
+all problems are collected and raised together as a :class:`TraceError` naming ``file:line``.
+
+What a crash leaves is skipped with a warning, not an error: an empty file, or a last line
+with no newline that does not parse (the requests it leaves unfinished are dropped). A bad
+line anywhere else is an error.
 
 Times: a record's ``timestamp`` is the end of its span and ``duration_sec`` its length.
 Terminal events measure from the request's launch (complete, failed) or from the step start
@@ -14,12 +19,16 @@ spans the whole step.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tailcut.errors import TailcutError
 from tailcut.trace.events import (
     STEP_WORKID,
     TERMINAL_EVENTS,
@@ -31,9 +40,12 @@ from tailcut.trace.events import (
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WORKER_FILE = re.compile(r"^worker_(\d+)\.jsonl$")
 MAX_LISTED = 20
+Warn = Callable[[str], None]
+"""Where a skipped part of a trace is reported."""
+_log = logging.getLogger(__name__)
 
 
-class TraceError(ValueError):
+class TraceError(TailcutError, ValueError):
     """A trace that cannot be analysed; the message lists each problem as ``file:line: ...``."""
 
 
@@ -48,6 +60,7 @@ class Event:
     worker: int
     where: str
     """``file:line`` of the record."""
+    step: int
 
     @property
     def start(self) -> float:
@@ -150,56 +163,107 @@ class StepTrace:
         return min(launches, default=self.start)
 
 
-def discover(run_dir: Path) -> list[tuple[str, int, Path]]:
-    """``(group, step, step_dir)`` for every step directory, sorted; ``TraceError`` if none."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise TraceError(f"{run_dir}: not a directory")
-    found: list[tuple[str, int, Path]] = []
-    for group, base in [("", run_dir)] + [
-        (d.name, d) for d in sorted(run_dir.iterdir()) if d.is_dir()
-    ]:
+@dataclass(frozen=True, slots=True)
+class StepSource:
+    """One step's trace files, as found by :func:`discover`."""
+
+    group: str
+    step: int | None
+    """From the ``step_{k}`` folder; None for a lone file elsewhere (taken from its records)."""
+    path: Path
+    files: list[tuple[int, Path]]
+    """``(worker, file)``, by worker."""
+
+
+def _worker_files(step_dir: Path) -> list[tuple[int, Path]]:
+    return sorted(
+        (int(m.group(1)), p)
+        for p in step_dir.iterdir()
+        if (m := _WORKER_FILE.match(p.name)) and p.is_file()
+    )
+
+
+def discover(path: Path) -> list[StepSource]:
+    """The steps traced under ``path``, sorted; ``TraceError`` if there are none.
+
+    ``path`` is a run directory (its ``traces/`` is read), a traces directory
+    (``step_*/worker_*.jsonl``, or ``<name>/step_*/...`` per policy of a benchmark), one
+    ``step_*`` directory, or one trace file. Directories with no ``worker_*.jsonl`` (a run's
+    ``checkpoints/step_*``) are passed over.
+    """
+    path = Path(path)
+    if path.is_file():
+        m, w = _STEP_DIR.match(path.parent.name), _WORKER_FILE.match(path.name)
+        worker = int(w.group(1)) if w else 0
+        return [StepSource("", int(m.group(1)) if m else None, path, [(worker, path)])]
+    if not path.is_dir():
+        raise TraceError(f"{path}: no such file or directory")
+    if (path / "traces").is_dir():
+        path = path / "traces"
+    if (m := _STEP_DIR.match(path.name)) and (files := _worker_files(path)):
+        return [StepSource("", int(m.group(1)), path, files)]
+    found: list[StepSource] = []
+    for group, base in [("", path), *((d.name, d) for d in sorted(path.iterdir()) if d.is_dir())]:
         for d in base.iterdir():
-            m = _STEP_DIR.match(d.name)
-            if m and d.is_dir():
-                found.append((group, int(m.group(1)), d))
+            if (m := _STEP_DIR.match(d.name)) and d.is_dir() and (files := _worker_files(d)):
+                found.append(StepSource(group, int(m.group(1)), d, files))
     if not found:
-        raise TraceError(f"{run_dir}: no step_*/worker_*.jsonl trace files (nor <name>/step_*/...)")
-    return sorted(found, key=lambda t: (t[0], t[1]))
+        raise TraceError(
+            f"{path}: no step_*/worker_*.jsonl trace files in it nor in its <name>/step_*/ "
+            "(give a run directory, a traces directory, a step directory or a .jsonl file)"
+        )
+    return sorted(found, key=lambda s: (s.group, s.step or 0))
 
 
-def _read_file(path: Path, worker: int, step: int, problems: list[str]) -> list[Event]:
+def _not_parsed(raw: bytes, exc: ValueError) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+    assert isinstance(exc, json.JSONDecodeError)
+    return f"not JSON ({exc.msg})"
+
+
+def _read_file(path: Path, worker: int, problems: list[str]) -> tuple[list[Event], str | None]:
+    """The file's events, and what was skipped if it was cut short: the file was empty, or its
+    last line (no newline) does not parse. Bad lines before the last are problems."""
     events: list[Event] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    lineno = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 rec = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if not raw.endswith(b"\n"):
+                    return events, f"{where}: skipped the torn last line, {_not_parsed(raw, exc)}"
+                problems.append(f"{where}: {_not_parsed(raw, exc)}")
+                continue
+            try:
                 if not isinstance(rec, dict):
                     raise TraceSchemaError(f"{where}: not a JSON object")
                 kind = validate_record(rec, where)
                 end = datetime.fromisoformat(rec["timestamp"]).timestamp()
-            except json.JSONDecodeError as exc:
-                problems.append(f"{where}: not JSON ({exc.msg})")
-                continue
             except (TraceSchemaError, ValueError) as exc:
                 msg = str(exc)
                 problems.append(msg if msg.startswith(where) else f"{where}: {msg}")
-                continue
-            if rec["step"] != step:
-                problems.append(f"{where}: record of step {rec['step']} in the step_{step} folder")
                 continue
             duration = float(rec["duration_sec"])
             if duration < 0:
                 problems.append(f"{where}: negative duration_sec {duration}")
                 continue
-            events.append(Event(kind, rec["workid"], end, duration, rec["extra"], worker, where))
-    return events
+            events.append(
+                Event(kind, rec["workid"], end, duration, rec["extra"], worker, where, rec["step"])
+            )
+    return events, f"{path}: skipped an empty trace file" if lineno == 0 else None
 
 
-def _requests(events: list[Event], problems: list[str]) -> list[RequestTrace]:
+def _requests(
+    events: list[Event], problems: list[str], cut_short: Collection[int]
+) -> tuple[list[RequestTrace], Counter[int]]:
+    """Requests by (worker, workid), and how many were dropped per worker: one left without a
+    terminal event is a problem, unless its worker's file was cut short."""
     requests: dict[tuple[int, str], RequestTrace] = {}
     for e in events:
         key = (e.worker, e.workid)
@@ -221,39 +285,54 @@ def _requests(events: list[Event], problems: list[str]) -> list[RequestTrace]:
                 )
             else:
                 req.terminal = e
+    dropped: Counter[int] = Counter()
     for req in requests.values():
-        if req.terminal is None:
+        if req.terminal is None and req.worker in cut_short:
+            dropped[req.worker] += 1
+        elif req.terminal is None:
             first = req.events[0]
             problems.append(
                 f"{first.where}: request {req.workid} has no terminal event "
                 "(complete, aborted or failed) in its worker file"
             )
-    return [r for r in requests.values() if r.terminal is not None]
+    return [r for r in requests.values() if r.terminal is not None], dropped
 
 
-def load_step(group: str, step: int, step_dir: Path, problems: list[str]) -> StepTrace | None:
-    files = sorted(
-        ((int(m.group(1)), p) for p in step_dir.iterdir() if (m := _WORKER_FILE.match(p.name))),
-    )
-    if not files:
-        problems.append(f"{step_dir}: no worker_*.jsonl files")
-        return None
+def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace | None:
+    """One step, validated (problems appended); None when it holds no events."""
     events: list[Event] = []
-    for worker, path in files:
-        events += _read_file(path, worker, step, problems)
-    step_events = [e for e in events if e.workid == STEP_WORKID]
-    requests = _requests([e for e in events if e.workid != STEP_WORKID], problems)
+    cut_short: dict[int, str] = {}
+    for worker, path in source.files:
+        read, skipped = _read_file(path, worker, problems)
+        events += read
+        if skipped:
+            cut_short[worker] = skipped
     if not events:
-        problems.append(f"{step_dir}: the trace files hold no events")
+        for skipped in cut_short.values():
+            warn(skipped)
+        if len(cut_short) < len(source.files):
+            problems.append(f"{source.path}: the trace files hold no events")
         return None
+    step = events[0].step if source.step is None else source.step
+    for e in events:
+        if e.step != step:
+            where = "folder" if source.step is not None else "file (from its first record)"
+            problems.append(f"{e.where}: record of step {e.step} in the step_{step} {where}")
+    step_events = [e for e in events if e.workid == STEP_WORKID]
+    requests, dropped = _requests(
+        [e for e in events if e.workid != STEP_WORKID], problems, cut_short
+    )
+    for worker, skipped in cut_short.items():
+        n = dropped[worker]
+        warn(skipped + (f", and {n} request(s) it left unfinished" if n else ""))
     totals = [e for e in step_events if e.kind is EventKind.STEP_TOTAL]
     starts = [e.start for e in totals] or [r.begin for r in requests] or [e.start for e in events]
     ends = [e.end for e in totals] or [e.end for e in events]
     return StepTrace(
-        group=group,
+        group=source.group,
         step=step,
-        path=step_dir,
-        workers=[w for w, _ in files],
+        path=source.path,
+        workers=sorted({e.worker for e in events}),
         requests=sorted(requests, key=lambda r: (r.worker, r.workid)),
         step_events=step_events,
         start=min(starts),
@@ -261,18 +340,28 @@ def load_step(group: str, step: int, step_dir: Path, problems: list[str]) -> Ste
     )
 
 
-def load_run(run_dir: Path) -> list[StepTrace]:
-    """Every step under ``run_dir``, validated; raises ``TraceError`` listing each problem."""
+def load_run(run_dir: Path, warn: Warn | None = None) -> list[StepTrace]:
+    """Every step under ``run_dir`` (see :func:`discover`), validated; raises ``TraceError``
+    listing each problem. What is skipped (an empty file, a torn last line) goes to ``warn``,
+    once each (default: logged)."""
+    warn = warn or _log.warning
     problems: list[str] = []
     steps = []
-    for group, step, step_dir in discover(Path(run_dir)):
-        loaded = load_step(group, step, step_dir, problems)
-        if loaded is not None:
-            steps.append(loaded)
+    try:
+        for source in discover(Path(run_dir)):
+            loaded = load_step(source, problems, warn)
+            if loaded is not None:
+                steps.append(loaded)
+    except OSError as exc:
+        raise TraceError(f"{exc.filename or run_dir}: cannot read ({exc.strerror})") from None
+    if len(problems) == 1:
+        raise TraceError(f"{run_dir}: broken trace: {problems[0]}")
     if problems:
         listed = "\n".join(f"  {p}" for p in problems[:MAX_LISTED])
         more = (
             f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         )
         raise TraceError(f"{run_dir}: broken trace ({len(problems)} problem(s)):\n{listed}{more}")
+    if not steps:
+        raise TraceError(f"{run_dir}: no trace events (every trace file was empty or torn)")
     return steps

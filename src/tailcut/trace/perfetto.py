@@ -15,14 +15,16 @@ policies line up) or since the first event of the run (``align="run"``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from tailcut.trace.events import EventKind
-from tailcut.trace.load import Event, RequestTrace, StepTrace, load_run
+from tailcut.trace.load import Event, RequestTrace, StepTrace, Warn, load_run
 from tailcut.types import FINISHED
 
 Align = Literal["step", "run"]
@@ -257,13 +259,28 @@ def to_chrome_trace(steps: list[StepTrace], align: Align = "step") -> dict[str, 
     }
 
 
-def write_perfetto(run_dir: Path, out: Path, align: Align = "step") -> dict[str, int]:
-    """Validate ``run_dir``'s trace and write it to ``out``; return counts for a summary."""
-    steps = load_run(run_dir)
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it into place: ``path``
+    is either untouched or whole. ``OSError`` if it cannot be written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def write_perfetto(
+    run_dir: Path, out: Path, align: Align = "step", warn: Warn | None = None
+) -> dict[str, int]:
+    """Validate ``run_dir``'s trace and write it to ``out`` (atomically, into an existing
+    directory: ``OSError`` if it cannot be written); return counts for a summary."""
+    steps = load_run(run_dir, warn)
     trace = to_chrome_trace(steps, align)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(trace, separators=(",", ":")), encoding="utf-8")
+    write_atomic(Path(out), json.dumps(trace, separators=(",", ":")))
     evs = trace["traceEvents"]
     return {
         "steps": len(steps),

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailcut.trace.load import StepTrace, load_run
+from tailcut.trace.load import StepTrace, Warn, load_run
 from tailcut.types import FINISHED
 
 PERCENTILES = (("p50", 0.5), ("p80", 0.8), ("p90", 0.9), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))
@@ -115,9 +115,10 @@ def analyse_step(step: StepTrace) -> StepReport:
     )
 
 
-def analyse_run(run_dir: Path) -> list[StepReport]:
-    """Validate the run's trace (``TraceError`` on any problem) and analyse every step."""
-    return [analyse_step(s) for s in load_run(Path(run_dir))]
+def analyse_run(run_dir: Path, warn: Warn | None = None) -> list[StepReport]:
+    """Validate the run's trace (``TraceError`` on any problem) and analyse every step;
+    ``warn`` gets what was skipped (see :func:`~tailcut.trace.load.load_run`)."""
+    return [analyse_step(s) for s in load_run(Path(run_dir), warn)]
 
 
 def _s(x: float | None) -> str:

@@ -8,11 +8,12 @@ the sampling temperature so that they describe the distribution the engine sampl
 The loss denominators (``LossNorm``) are computed over the whole mini-batch, so gradient
 accumulation over micro-batches gives the mini-batch gradient exactly.
 
-π_old (``algo.old_logprobs``): ``recompute`` scores every real row with the actor before the
-first optimizer step, micro-batch by micro-batch exactly as the first epoch will, so the
-first mini-batch's ratio is exactly 1; the engine's log-probs then only weigh the rollout
+π_old (``algo.old_logprobs``): ``recompute`` takes it from the actor before its first
+optimizer step — with one mini-batch and no masked correction from the first epoch's own
+forward passes (detached: no extra pass, and the ratio is exactly 1), otherwise from a
+scoring pass over every row first; the engine's log-probs then only weigh the rollout
 correction (``algo/correction.py``), whose masked modes change the loss mask before any
-denominator is counted. ``engine`` takes the engine's log-probs as π_old (the config refuses
+denominator is counted. The policy trains without dropout, so both are the same function. ``engine`` takes the engine's log-probs as π_old (the config refuses
 combinations where they cannot be the actor's distribution). A mini-batch without loss
 tokens takes no optimizer step at all: no update from momentum, no weight decay, no LR tick.
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailcut.algo.batch import TrainBatch
-from tailcut.algo.correction import rollout_correction
+from tailcut.algo.correction import MASKED_MODES, Correction, rollout_correction
 from tailcut.algo.loss import LossNorm, PolicyLossSpec, entropy_from_logits, ppo_clip_loss
 from tailcut.algo.tensors import BatchTensors, to_tensors
 from tailcut.train.config import ActorConfig, AlgoConfig
@@ -45,6 +47,43 @@ def _split(items: Sequence[int], parts: int) -> list[list[int]]:
         out.append(list(items[start:end]))
         start = end
     return out
+
+
+@dataclass(slots=True)
+class _PiOld:
+    """π_old of one update (B × R, on the host) and the rollout-correction weights."""
+
+    values: Tensor
+    weights: Tensor | None
+    """None: no correction (every weight 1)."""
+    pending: bool
+    """Not scored yet: the first epoch's forward passes fill ``values`` (and ``weights``)."""
+
+    def score(
+        self,
+        rows: Tensor,
+        r_mb: int,
+        logp: Tensor,
+        t: BatchTensors,
+        correction: Callable[[Tensor, Tensor, Tensor], Correction],
+    ) -> None:
+        """Take π_old of ``rows`` from this (pre-update) forward pass."""
+        self.values[rows, :r_mb] = logp.detach().to(self.values.dtype).cpu()
+        if self.weights is not None:
+            mask = t.loss_mask[rows, :r_mb] * (t.row_valid[rows] > 0).unsqueeze(-1)
+            c = correction(self.values[rows, :r_mb], t.engine_logprobs[rows, :r_mb], mask)
+            self.weights[rows, :r_mb] = c.weights
+
+
+def _without_dropout(model: Any) -> Any:
+    """The policy trains without dropout, as RL trainers do: π_old and π_θ are then the same
+    function of the same weights (and the on-policy ratio is exactly 1)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
 
 
 class Actor:
@@ -63,7 +102,7 @@ class Actor:
     ) -> None:
         self.cfg = cfg
         self.device = device or next(model.parameters()).device
-        self.model = model.to(self.device).train()
+        self.model = _without_dropout(model.to(self.device).train())
         self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
         self.spec = PolicyLossSpec(
             agg=algo.loss_agg,
@@ -145,59 +184,78 @@ class Actor:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One rollout step's policy update; returns averaged metrics (``train/*``)."""
         t = to_tensors(batch)
+        trained = t.loss_mask * (t.row_valid > 0).unsqueeze(-1).to(t.loss_mask.dtype)
         real = [i for i, v in enumerate(batch.row_valid) if v]
         minis = [m for m in _split(real, self.cfg.mini_batches) if m]
-        weights, old, correction = self._old_logprobs(t, minis)
+        pi = self._pi_old(t, minis, trained)
         sums: dict[str, float] = {}
         n_steps = skipped = 0
         for _ in range(self.cfg.epochs):
             for mini in minis:
-                step_metrics = self._mini_batch(t, mini, old, weights)
+                step_metrics = self._mini_batch(t, mini, pi)
                 if step_metrics is None:
                     skipped += 1
                     continue
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_steps += 1
+            pi.pending = False  # every row has been scored once
         out = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
-        out.update({f"train/{k}": v for k, v in correction.items()})
+        if self.algo.old_logprobs == "recompute":
+            c = self._correction(pi.values, t.engine_logprobs, trained)
+            out.update({f"train/{k}": v for k, v in c.metrics.items()})
         out["train/optimizer_steps"] = float(n_steps)
         out["train/skipped_mini_batches"] = float(skipped)
         out["train/rows"] = float(len(real))
-        out.update(self._staleness(t))
+        out.update(self._staleness(t, trained))
         self.version += 1
         return out
 
-    def _old_logprobs(
-        self, t: BatchTensors, minis: list[list[int]]
-    ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
-        """``(correction weights, π_old, correction metrics)``; masked IS narrows
-        ``t.loss_mask`` in place (a copy: the batch's own array is left alone)."""
+    def _correction(self, old: Tensor, engine: Tensor, mask: Tensor) -> Correction:
+        a = self.algo
+        return rollout_correction(
+            old, engine, mask, a.rollout_correction, a.rollout_correction_threshold
+        )
+
+    def _pi_old(self, t: BatchTensors, minis: list[list[int]], trained: Tensor) -> _PiOld:
+        """Where π_old comes from. ``engine``: the engine's log-probs. ``recompute`` with one
+        mini-batch and no masked IS: the first epoch's own forward pass (its detached
+        log-probs; nothing else to run, and the ratio is 1 by construction). Otherwise a
+        scoring pass before the first step; masked IS then narrows ``t.loss_mask`` (a new
+        tensor: the batch's array is left alone) before any denominator is counted."""
         if self.algo.old_logprobs == "engine":
-            m = (t.loss_mask > 0) & (t.row_valid > 0).unsqueeze(-1)
-            if bool((~torch.isfinite(t.engine_logprobs) & m).any()):
+            if bool((~torch.isfinite(t.engine_logprobs) & (trained > 0)).any()):
                 raise ValueError(
                     "algo.old_logprobs=engine: the batch has sampled tokens without an engine "
                     "log-prob; use algo.old_logprobs=recompute"
                 )
-            return None, t.engine_logprobs, {}
-        old = torch.zeros_like(t.engine_logprobs)
+            return _PiOld(t.engine_logprobs, None, pending=False)
+        values = torch.zeros_like(t.engine_logprobs)
+        weights = None if self.algo.rollout_correction == "none" else torch.ones_like(values)
+        if len(minis) <= 1 and self.algo.rollout_correction not in MASKED_MODES:
+            return _PiOld(values, weights, pending=True)
+        values = self._score(t, minis)
+        if weights is None:
+            return _PiOld(values, None, pending=False)
+        c = self._correction(values, t.engine_logprobs, trained)
+        t.loss_mask = c.loss_mask
+        return _PiOld(values, c.weights, pending=False)
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """B × R log-probs of the batch's response tokens under the current weights."""
+        t = to_tensors(batch)
+        return self._score(t, [[i for i, v in enumerate(batch.row_valid) if v]])
+
+    def _score(self, t: BatchTensors, minis: list[list[int]]) -> Tensor:
+        values = torch.zeros_like(t.engine_logprobs)
         with torch.no_grad():
             for mini in minis:
                 for rows in self._micro_batches(t, mini):
                     logp, _, r_mb = self._forward(self.model, t, rows, want_entropy=False)
-                    old[rows, :r_mb] = logp.to(old.dtype).cpu()
-        mask = t.loss_mask * (t.row_valid > 0).unsqueeze(-1).to(t.loss_mask.dtype)
-        c = rollout_correction(
-            old, t.engine_logprobs, mask,
-            self.algo.rollout_correction, self.algo.rollout_correction_threshold,
-        )  # fmt: skip
-        t.loss_mask = c.loss_mask
-        return c.weights, old, c.metrics
+                    values[rows, :r_mb] = logp.to(values.dtype).cpu()
+        return values
 
-    def _mini_batch(
-        self, t: BatchTensors, mini: list[int], old: Tensor, weights: Tensor | None
-    ) -> dict[str, float] | None:
+    def _mini_batch(self, t: BatchTensors, mini: list[int], pi: _PiOld) -> dict[str, float] | None:
         """One optimizer step over ``mini``; None (no step at all) when it has no loss token."""
         idx = torch.tensor(mini, dtype=torch.long)
         norm = LossNorm.of(t.loss_mask[idx], t.row_valid[idx], self.norm_len)
@@ -214,16 +272,19 @@ class Actor:
                 with torch.no_grad():
                     ref, _, _ = self._forward(self.ref_model, t, rows, want_entropy=False)
             mask = t.loss_mask[rows, :r_mb].to(self.device)
+            valid = t.row_valid[rows].to(self.device)
+            if pi.pending:
+                pi.score(rows, r_mb, logp, t, self._correction)
             out = ppo_clip_loss(
                 logp,
-                old[rows, :r_mb].to(self.device),
+                pi.values[rows, :r_mb].to(self.device),
                 t.advantages[rows].to(self.device),
                 mask,
-                t.row_valid[rows].to(self.device),
+                valid,
                 norm,
                 self.spec,
                 ref_logprobs=ref,
-                weights=None if weights is None else weights[rows, :r_mb].to(self.device),
+                weights=None if pi.weights is None else pi.weights[rows, :r_mb].to(self.device),
             )
             if out.loss.requires_grad:
                 out.loss.backward()
@@ -245,7 +306,7 @@ class Actor:
             "clip_frac",
             "clip_frac_dual",
             "ratio",
-            "approx_kl_behaviour",
+            "approx_kl",
             "kl_ref",
             "entropy",
         ):
@@ -270,9 +331,10 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _staleness(self, t: BatchTensors) -> dict[str, float]:
-        """How old the trained tokens are: current version minus the sampling version."""
-        m = (t.loss_mask > 0) & (t.row_valid > 0).unsqueeze(1) & (t.versions >= 0)
+    def _staleness(self, t: BatchTensors, trained: Tensor) -> dict[str, float]:
+        """How old the sampled tokens of the batch's rows are (those a masked correction
+        rejected included): current version minus the sampling version."""
+        m = (trained > 0) & (t.versions >= 0)
         if not bool(m.any()):
             return {"train/version_lag_mean": 0.0, "train/version_lag_max": 0.0}
         lag = (self.version - t.versions[m]).float()

@@ -1,4 +1,5 @@
-"""Atomic checkpoints: written to a temporary directory, fsynced, then renamed into place.
+"""Atomic, verified checkpoints: written to a temporary directory, fsynced, renamed into
+place; checked against their manifest when loaded.
 
 Layout: ``RUN_DIR/checkpoints/step_{k:08d}/`` holding
 
@@ -6,42 +7,51 @@ Layout: ``RUN_DIR/checkpoints/step_{k:08d}/`` holding
 * ``state.pkl`` — everything else the loop needs to continue exactly: the step, the data
   position and order, RNG states (Python, NumPy, torch CPU and CUDA), the cut-off policy's
   learned state, the partial-rollout buffer, counters;
-* ``DONE``      — written last; a directory without it is not a checkpoint.
+* ``DONE``      — written last: the manifest (JSON: the step, each file's size and
+  sha256). A directory without it is not a checkpoint; one whose files do not match it is
+  damaged (a checkpoint written before manifests holds the bare step number and is checked
+  by loading it).
 
 A crash at any point leaves either the previous checkpoint or the new one, never a torn
 one: the files are written into ``.tmp-step_k-<pid>``, each fsynced, the directory
 fsynced, then renamed to its final name (and the parent fsynced). Old checkpoints beyond
-``keep`` are removed after the new one is in place.
+``keep`` are removed after the new one is in place. A file that cannot be written (a full
+disk, a read-only directory) raises ``OSError`` naming it, also where torch reports it as a
+``RuntimeError``; the temporary directory is removed.
+
+:func:`load_latest` loads the newest checkpoint that verifies and reports each newer one
+it skipped and why; :func:`load_checkpoint` raises :class:`CheckpointError` for a damaged one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
+from tailcut.errors import TailcutError
+from tailcut.train.run_dir import fsync_path
+
+__all__ = ["fsync_path"]  # re-exported: weight_sync fsyncs its saved directories with it
+
 DONE = "DONE"
 PREFIX = "step_"
+FILES = ("actor.pt", "state.pkl")
+MANIFEST_VERSION = 1
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (its entries) by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class CheckpointError(TailcutError):
+    """A checkpoint that cannot be loaded (incomplete, truncated, not what was written)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -67,10 +77,63 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+# -- writing ---------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """A binary file that remembers the ``OSError`` of a failed write: torch reports one
+    as a ``RuntimeError`` from its zip writer, which names neither the file nor the cause."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[_Recorder]:
+    """Open ``path`` for writing; close and fsync it. Any failure to write it comes out as
+    an ``OSError`` naming ``path``."""
+    out: _Recorder | None = None
+    try:
+        with path.open("wb") as fh:
+            out = _Recorder(fh)
+            yield out
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    except RuntimeError as exc:
+        if out is None or out.error is None:
+            raise
+        raise OSError(out.error.errno, out.error.strerror, str(path)) from exc
+
+
+def _digest(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, actor_state: dict[str, Any], state: dict[str, Any], keep: int = 2
+    run_dir: Path,
+    step: int,
+    actor_state: dict[str, Any],
+    state: dict[str, Any],
+    keep: int = 2,
+    before_rename: Callable[[], None] | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically; returns its directory."""
+    """Write the checkpoint of ``step`` atomically; returns its directory.
+    ``before_rename`` is called with every file written, just before the rename (tests
+    crash there)."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -79,13 +142,17 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        torch.save(actor_state, tmp / "actor.pt")
-        with (tmp / "state.pkl").open("wb") as fh:
+        with _writing(tmp / "actor.pt") as fh:
+            torch.save(actor_state, fh)  # type: ignore[arg-type]
+        with _writing(tmp / "state.pkl") as fh:
             pickle.dump(state, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        (tmp / DONE).write_text(f"{step}\n", encoding="utf-8")
-        for name in ("actor.pt", "state.pkl", DONE):
-            _fsync_file(tmp / name)
+        files = {n: {"size": (tmp / n).stat().st_size, "sha256": _digest(tmp / n)} for n in FILES}
+        manifest = {"manifest": MANIFEST_VERSION, "step": step, "files": files}
+        with _writing(tmp / DONE) as fh:
+            fh.write((json.dumps(manifest, indent=1) + "\n").encode())
         fsync_path(tmp)
+        if before_rename is not None:
+            before_rename()
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -106,8 +173,11 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+# -- reading ---------------------------------------------------------------------------------
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run (a ``DONE`` file: not yet verified), oldest first."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
@@ -120,12 +190,72 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(actor_state, state)`` of a checkpoint directory (local, trusted files)."""
+def verify_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The manifest of checkpoint ``path`` once every file matches it (None: a checkpoint
+    written before manifests); raises :class:`CheckpointError` naming what does not match."""
     path = Path(path)
     if not (path / DONE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {DONE} file)")
-    actor_state = torch.load(path / "actor.pt", map_location="cpu", weights_only=False)
-    with (path / "state.pkl").open("rb") as fh:
-        state = pickle.load(fh)
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {DONE} file)")
+    text = (path / DONE).read_text(encoding="utf-8", errors="replace").strip()
+    if text.isdigit():
+        return None
+    try:
+        manifest = json.loads(text)
+        files = manifest["files"]
+        assert isinstance(files, dict) and set(FILES) <= set(files)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{path / DONE}: the manifest is damaged") from None
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(
+                f"{file} is {size} bytes, the manifest says {want['size']} (truncated?)"
+            )
+        if _digest(file) != want["sha256"]:
+            raise CheckpointError(f"{file}: its sha256 differs from the manifest's (corrupted)")
+    return dict(manifest)
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(actor_state, state)`` of a checkpoint directory (local, trusted files), verified
+    against its manifest first; a damaged one raises :class:`CheckpointError`."""
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        actor_state = torch.load(path / "actor.pt", map_location="cpu", weights_only=False)
+        with (path / "state.pkl").open("rb") as fh:
+            state = pickle.load(fh)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} cannot be loaded ({first})") from exc
     return actor_state, state
+
+
+Loaded = tuple[Path, dict[str, Any], dict[str, Any]]
+
+
+def load_latest(run_dir: Path, warn: Callable[[str], None]) -> Loaded | None:
+    """The newest checkpoint of a run that verifies and loads, as ``(path, actor_state,
+    state)``; each newer damaged one is reported through ``warn`` (which one and why) and
+    skipped. None when the run has none; :class:`CheckpointError` when all are damaged."""
+    found = list_checkpoints(run_dir)
+    problems: list[str] = []
+    for path in reversed(found):
+        try:
+            actor_state, state = load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            warn(f"checkpoint {path.name} skipped: {exc}")
+            continue
+        if problems:
+            warn(f"resuming from {path.name}, the newest intact checkpoint")
+        return path, actor_state, state
+    if problems:
+        raise CheckpointError(
+            f"no intact checkpoint in {checkpoint_dir(run_dir)} ({'; '.join(problems)}); "
+            "move the damaged ones away to start the run over, or give a new trainer.run_dir"
+        )
+    return None

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from rich.console import Console
+
+from tailcut.train.run_dir import atomic_write_text
 
 
 class MetricSink(Protocol):
@@ -24,7 +28,10 @@ class MetricSink(Protocol):
 
 class JsonlSink:
     """``RUN_DIR/metrics.jsonl``: one object a line, ``{"step": k, ...metrics}``; non-finite
-    numbers are written as null (valid JSON)."""
+    numbers are written as null (valid JSON). Each line is flushed to the OS as it is
+    written (a killed process loses none); :meth:`sync` makes them durable (the trainer
+    syncs before each checkpoint, so no checkpoint outlives the metrics of its steps). A
+    failed write raises ``OSError`` naming the file."""
 
     def __init__(self, path: Path, *, append: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,25 +42,40 @@ class JsonlSink:
         row: dict[str, Any] = {"step": step}
         for k, v in metrics.items():
             row[k] = v if isinstance(v, int | float) and math.isfinite(v) else None
-        self._fh.write(json.dumps(row, separators=(",", ":")) + "\n")
-        self._fh.flush()
+        with self._named():
+            self._fh.write(json.dumps(row, separators=(",", ":")) + "\n")
+            self._fh.flush()
+
+    def sync(self) -> None:
+        with self._named():
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
 
     def close(self) -> None:
-        self._fh.close()
+        with self._named():
+            self._fh.close()
+
+    @contextmanager
+    def _named(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
-    """Drop rows of steps > ``after_step`` (a resumed run rewrites them)."""
+    """Drop rows of steps > ``after_step`` (a resumed run rewrites them) and unreadable
+    lines (one cut by a crash mid-write); the file is replaced atomically."""
     if not path.is_file():
         return
     keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             if int(json.loads(line)["step"]) <= after_step:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):
             continue
-    path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
@@ -126,6 +148,12 @@ class Loggers:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def sync(self) -> None:
+        """Make what was logged durable (the sinks that write local files)."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlSink):
+                sink.sync()
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -184,8 +184,7 @@ def arith(
     try:
         counts = arith.write_dataset(out, n, n_test, seed)
     except DataError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise _fail(str(exc)) from None
     console = Console()
     for split, rows in counts.items():
         console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")

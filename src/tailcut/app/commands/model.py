@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tailcut.models.resolve import BUILTIN, ModelNotFoundError, resolve_model
+from tailcut.models.resolve import BUILTIN, resolve_model
 
 if TYPE_CHECKING:
     from tailcut.models.build import BuildResult, Progress
@@ -71,12 +71,18 @@ def init(
     force: Annotated[bool, typer.Option(help="Rebuild even if a matching build exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the build info as JSON.")] = False,
 ) -> None:
-    """Build the built-in model (tokenizer, SFT on the arithmetic task) deterministically."""
+    """Build the built-in model (tokenizer, SFT on the arithmetic task) deterministically;
+    a damaged build is rebuilt."""
     from rich.console import Console
 
-    from tailcut.models.build import ensure_built
+    from tailcut.models.build import ModelRecipe, default_model_dir, ensure_built, recipe_hash
+    from tailcut.models.resolve import verify_build
 
     console = Console(stderr=as_json)
+    target = out or default_model_dir()
+    problem = verify_build(target, recipe_hash(ModelRecipe())) if target.exists() else None
+    if problem is not None and not force:
+        console.print(f"[yellow]{target}: {problem}; rebuilding[/yellow]", highlight=False)
     bar, update = _progress_bar()
     with bar:
         result = ensure_built(out=out, force=force, progress=update)
@@ -90,9 +96,6 @@ def init(
 def path(
     spec: Annotated[str, typer.Argument(help="'builtin' or a model directory.")] = BUILTIN,
 ) -> None:
-    """Print the model directory (building the built-in model if it is missing)."""
-    try:
-        typer.echo(str(resolve_model(spec)))
-    except ModelNotFoundError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    """Print the model directory (building the built-in model if it is missing); a damaged
+    one is an error (exit 1)."""
+    typer.echo(str(resolve_model(spec)))

@@ -266,10 +266,6 @@ def rollout(
     as_json: AsJson = False,
 ) -> None:  # fmt: skip
     """Run one over-sampled multi-turn rollout step on a real model and print how it went."""
-    from tailcut.data.verl import DataError
-    from tailcut.rollout.step import StepFailed
-    from tailcut.tools.registry import ToolConfigError
-
     if policy not in POLICIES:
         raise typer.BadParameter(
             f"{policy!r} is not one of {', '.join(POLICIES)}", param_hint="--policy"
@@ -286,11 +282,7 @@ def rollout(
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tailcut-rollout-") as tmp:
         where = trace_dir or Path(tmp)
-        try:
-            summary = asyncio.run(run_rollout(opts, where))
-        except (DataError, ToolConfigError, StepFailed, ValueError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
+        summary = asyncio.run(run_rollout(opts, where))  # errors: the CLI's boundary (cli.py)
         _print(summary, where, keep=trace_dir is not None, as_json=as_json)
 
 

@@ -38,17 +38,24 @@ def run(
     ] = None,
 ) -> None:
     """Run FILE in the sandbox. Prints {"status", "stdout", "stderr", "exit_code",
-    "duration_s"} (plus detail and isolation) with --json. Exit code: 0 if the status is
-    ok, 1 for any other status, 2 if the sandbox itself failed."""
+    "duration_s"} (plus detail, isolation and invalid_utf8_bytes) with --json. Exit code:
+    0 if the status is ok, 1 for any other status, 2 if FILE or --stdin is not UTF-8 text
+    or the sandbox itself failed, 143 on SIGTERM (the program is killed and its files
+    removed first, as on Ctrl-C)."""
     import asyncio
+    import signal
 
     from tailcut.tools.fusion import FusionConfig, FusionError, SandboxFusionClient
     from tailcut.tools.sandbox import LocalSandbox, SandboxConfig, SandboxError
 
-    code = file.read_text(encoding="utf-8")
-    data = stdin.read_text(encoding="utf-8") if stdin else None
+    code = _read_text(file)
+    data = _read_text(stdin) if stdin else None
 
     async def go() -> SandboxResult:
+        main = asyncio.current_task()
+        assert main is not None  # SIGTERM cancels the run once, like Ctrl-C
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: main.cancelling() or main.cancel())
         if fusion_url:
             cfg = FusionConfig(url=fusion_url, timeout_s=timeout, memory_limit_mb=memory_mb)
             async with SandboxFusionClient(cfg) as client:
@@ -58,6 +65,8 @@ def run(
 
     try:
         result = asyncio.run(go())
+    except asyncio.CancelledError:  # SIGTERM: the run has been torn down
+        raise typer.Exit(128 + signal.SIGTERM) from None
     except (SandboxError, FusionError) as exc:
         if as_json:
             typer.echo(json.dumps({"status": "sandbox_error", "error": str(exc)}))
@@ -65,11 +74,24 @@ def run(
             typer.secho(f"sandbox failed: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
     if as_json:
-        keys = ("status", "stdout", "stderr", "exit_code", "duration_s", "detail", "isolation")
+        keys = ("status", "stdout", "stderr", "exit_code", "duration_s", "detail", "isolation",
+                "invalid_utf8_bytes")  # fmt: skip
         typer.echo(json.dumps({k: getattr(result, k) for k in keys}))
     else:
         _show(result)
     raise typer.Exit(0 if result.status == "ok" else 1)
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; else a one-line error naming it, and exit code 2."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    typer.secho(f"Error: {path}: {why}", fg="red", err=True)
+    raise typer.Exit(2)
 
 
 def _show(result: SandboxResult) -> None:
@@ -93,6 +115,8 @@ def _show(result: SandboxResult) -> None:
     table.add_row("status", f"[{colour}]{result.status}[/] {result.detail}")
     table.add_row("exit code", str(result.exit_code))
     table.add_row("duration", f"{result.duration_s:.3f} s")
+    if result.invalid_utf8_bytes:
+        table.add_row("output", f"{result.invalid_utf8_bytes} bytes not UTF-8 (shown as \ufffd)")
     for key, value in result.isolation.items():
         table.add_row(key, value)
     err.print(table)

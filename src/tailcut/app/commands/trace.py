@@ -1,6 +1,7 @@
 """``tailcut trace perfetto`` and ``tailcut report``: look at a traced run.
 
-Heavy imports (rich, matplotlib) stay inside the commands.
+Heavy imports (rich, matplotlib) stay inside the commands. Errors are one line on stderr
+(exit 1); parts of a trace skipped as cut short by a crash are warnings on stderr.
 """
 
 from __future__ import annotations
@@ -13,17 +14,35 @@ import typer
 
 trace_app = typer.Typer(name="trace", help="Export rollout traces.", no_args_is_help=True)
 
+TRACE_HELP = (
+    "A run directory (its traces/), a traces or benchmark directory (step_*/worker_*.jsonl, "
+    "<name>/step_*/...), one step directory or one .jsonl file."
+)
+
+
+def _print_err(label: str, message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"{label} {escape(message)}", highlight=False)
+
 
 def _fail(message: str) -> typer.Exit:
-    from rich.console import Console
-
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+    _print_err("[red]error:[/red]", message)
     return typer.Exit(1)
+
+
+def _warn(message: str) -> None:
+    _print_err("[yellow]warning:[/yellow]", message)
+
+
+def _cannot_write(path: Path, exc: OSError) -> typer.Exit:
+    return _fail(f"{path}: cannot write ({exc.strerror or exc})")
 
 
 @trace_app.command("perfetto")
 def perfetto(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory with step_*/worker_*.jsonl.")],
+    run_dir: Annotated[Path, typer.Argument(help=TRACE_HELP)],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Output JSON (open in ui.perfetto.dev).")
     ],
@@ -39,10 +58,16 @@ def perfetto(
 
     if align not in ("step", "run"):
         raise _fail(f"--align must be 'step' or 'run', got {align!r}")
+    if out.is_dir():
+        raise _fail(f"{out}: is a directory (give the output file's path)")
+    if not out.parent.is_dir():
+        raise _fail(f"{out}: cannot write (no directory {out.parent})")
     try:
-        counts = write_perfetto(run_dir, out, "step" if align == "step" else "run")
+        counts = write_perfetto(run_dir, out, "step" if align == "step" else "run", _warn)
     except TraceError as exc:
         raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _cannot_write(out, exc) from None
     Console(soft_wrap=True).print(
         f"wrote {out}: {counts['steps']} step(s), {counts['processes']} worker track group(s), "
         f"{counts['requests']:,} requests, {counts['slices']:,} slices, {counts['cuts']} cut(s)",
@@ -51,10 +76,11 @@ def perfetto(
 
 
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory (or benchmark trace directory).")],
+    run_dir: Annotated[Path, typer.Argument(help=TRACE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
     plot: Annotated[
-        Path | None, typer.Option(help="Completion-CDF PNG (default RUN_DIR/completion_cdf.png).")
+        Path | None,
+        typer.Option(help="Completion-CDF PNG (default: completion_cdf.png in RUN_DIR)."),
     ] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Do not write the plot.")] = False,
 ) -> None:
@@ -63,10 +89,16 @@ def report(
     from tailcut.trace.report import analyse_run, plot_cdf, render_tables
 
     try:
-        reports = analyse_run(run_dir)
+        reports = analyse_run(run_dir, _warn)
     except TraceError as exc:
         raise _fail(str(exc)) from None
-    plot_path = None if no_plot else plot_cdf(reports, plot or Path(run_dir) / "completion_cdf.png")
+    plot_path = None
+    if not no_plot:
+        plot_path = plot or (run_dir if run_dir.is_dir() else run_dir.parent) / "completion_cdf.png"
+        try:
+            plot_cdf(reports, plot_path)
+        except OSError as exc:
+            raise _cannot_write(plot_path, exc) from None
     if as_json:
         payload = {
             "run_dir": str(run_dir),

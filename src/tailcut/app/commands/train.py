@@ -1,17 +1,49 @@
-"""``tailcut train CONFIG.yaml [key=value ...]``: the GRPO training job."""
+"""``tailcut train CONFIG.yaml [key=value ...]``: the GRPO training job.
+
+Errors come out through the CLI's boundary (``app/cli.py``): a bad config or run directory
+exits 2 before the model is loaded. SIGINT and SIGTERM cancel the run (its ``finally``
+blocks close the metrics file, workers and engine) and exit 130 / 143 with one line; the
+same command continues from the last checkpoint.
+
+``TAILCUT_FAULT=STEP:PHASE:SIGNAL`` (crash tests only) makes the run send itself SIGNAL
+(INT, TERM or KILL) at PHASE of STEP, a phase of ``Trainer``'s fault hook: ``rollout``,
+``update``, ``sync``, ``logged`` (the step's metrics row written), ``checkpoint`` (its
+files written, not yet renamed into place), ``saved``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+from tailcut.errors import TailcutError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from tailcut.train.config import TrainConfig
-    from tailcut.train.trainer import TrainSummary
+    from tailcut.train.trainer import FaultHook, TrainSummary
+
+T = TypeVar("T")
+FAULT_ENV = "TAILCUT_FAULT"
+
+
+class Interrupted(TailcutError):
+    """The run was stopped by a signal (exit 128 + its number)."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"interrupted by {name}; run the same command again to continue from the last "
+            "checkpoint (trainer.resume=auto)"
+        )
+        self.exit_code = 128 + signum
 
 
 def train(
@@ -22,28 +54,76 @@ def train(
     ] = None,
 ) -> None:
     """Train a policy with GRPO on over-sampled, cut-off multi-turn rollouts."""
-    import asyncio
-
     from rich.console import Console
 
-    from tailcut.config import ConfigError
     from tailcut.train.config import load_train_config
+    from tailcut.train.run_dir import check_run_dir
 
     console = Console()
     items = list(overrides or [])
     if config is not None and "=" in config.name and not config.exists():
         items.insert(0, str(config))  # `tailcut train key=value` without a file
         config = None
-    try:
-        cfg = load_train_config(config, items)
-    except ConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
-    summary = asyncio.run(_run(cfg, console))
+    cfg = load_train_config(config, items)
+    check_run_dir(cfg)  # before the model is built or loaded (the trainer checks again)
+    fault = fault_from_env()
+    summary = run_until_signal(lambda: _run(cfg, console, fault))
     _print_summary(console, summary)
 
 
-async def _run(cfg: TrainConfig, console: Console) -> TrainSummary:
+def run_until_signal(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``asyncio.run`` at this edge. SIGINT (``asyncio.run`` cancels the main task) and
+    SIGTERM (cancelled the same way) come out as :class:`Interrupted`."""
+    import asyncio
+
+    stopped: list[int] = []
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop() -> None:
+            stopped.append(signal.SIGTERM)
+            task.cancel()
+
+        # Not in the main thread (or no signals there): SIGTERM keeps its default.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+        return await make()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        raise Interrupted(signal.SIGINT) from None
+    except asyncio.CancelledError:
+        if stopped:
+            raise Interrupted(stopped[0]) from None
+        raise
+
+
+def fault_from_env() -> FaultHook | None:
+    """The ``TAILCUT_FAULT`` hook (module docstring), or None."""
+    from tailcut.config import ConfigError
+
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    try:
+        step, phase, name = spec.split(":")
+        at, signum = (int(step), phase), signal.Signals["SIG" + name.upper().removeprefix("SIG")]
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"{FAULT_ENV}={spec!r}: give STEP:PHASE:SIGNAL, e.g. 3:logged:KILL"
+        ) from None
+
+    def fault(step: int, phase: str) -> None:
+        if (step, phase) == at:
+            os.kill(os.getpid(), signum)
+
+    return fault
+
+
+async def _run(cfg: TrainConfig, console: Console, fault: FaultHook | None) -> TrainSummary:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tailcut.app.train_setup import build_setup
@@ -52,7 +132,7 @@ async def _run(cfg: TrainConfig, console: Console) -> TrainSummary:
 
     console.print(f"[bold]tailcut train[/bold] → {cfg.trainer.run_dir}")
     setup = build_setup(cfg)
-    trainer = Trainer(cfg, setup, console=console)
+    trainer = Trainer(cfg, setup, console=console, fault=fault)
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=True) as bar:

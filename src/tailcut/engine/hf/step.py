@@ -42,21 +42,39 @@ class PassRunner:
         self._device = cache.shape.device
         self._max_prefill_tokens = max_prefill_tokens
         self._stage = HostStage(cache.shape.slots, self._device)
+        self._last: torch.Tensor | None = None
+        """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
+        self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
         vocab = int(model.config.get_text_config().vocab_size)
         self.decoder = DecodeStep(self._forward, cache, self._stage, vocab=vocab, graphs=graphs)
 
-    def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kw: Any
-    ) -> torch.Tensor:
-        kw[self._cache_kwarg] = self._cache
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits of each row's last column (a decode pass: one column per row)."""
         out = self._model(
             input_ids=ids,
             position_ids=pos,
             attention_mask={"full_attention": mask},
             use_cache=True,
-            **kw,
+            **{self._cache_kwarg: self._cache},
         )
         return out.logits[:, -1]
+
+    def close(self) -> None:
+        """Take the LM-head hook off the model (the model may outlive the engine)."""
+        self._hook.remove()
+
+    def _pick_rows(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Forward pre-hook of the LM head: during a prefill, only each row's last prompt
+        column reaches it (right-padded prompts end at different columns). The model's own
+        forward still runs around it, so every family's logit scaling or soft-capping
+        applies; the same on every transformers version (per-row ``logits_to_keep`` is
+        recent) and never a rows × width × vocab tensor."""
+        last = self._last
+        if last is None:
+            return None
+        hidden = args[0]
+        picked = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        return (picked, *args[1:])
 
     def prefill(self, batch: Sequence[Live]) -> tuple[list[int], list[float]]:
         """Write the prompts of ``batch`` (slots ``batch[0].row ..``) into the cache and
@@ -78,7 +96,11 @@ class PassRunner:
         pos = torch.arange(width, device=self._device).expand(rows, width)
         self._cache.begin_prefill(first, rows, width)
         mask = prefill_mask(lens, width, self._cache.shape.dtype)
-        logits = self._forward(ids, pos, mask, logits_to_keep=(lens - 1)[:, None])
+        self._last = lens - 1
+        try:
+            logits = self._forward(ids, pos, mask)
+        finally:
+            self._last = None
         return self._sample(batch, logits[:n])
 
     def decode(self, rows: Sequence[Live]) -> tuple[list[int], list[float]]:

@@ -156,6 +156,8 @@ class SlotWorker:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._runner.close()
 
     def _check_open(self) -> None:
         if self._dead is not None:

@@ -9,12 +9,16 @@ Each run gets a fresh temp directory and a supervisor process
 * new network (no interfaces but a down loopback), pid and mount namespaces where the
   kernel allows — as a normal user through a user namespace. What could not be isolated
   is said in :attr:`SandboxResult.isolation` (and logged once);
-* a read-only view of the file system except its work dir and a private ``/tmp``.
+* a read-only view of the file system except its work dir and a private ``/tmp``, which
+  share one tmpfs of ``disk_mb`` (the kernel answers ENOSPC past it; the host's disk
+  never grows).
 
 stdout and stderr are read concurrently; each keeps its first ``max_output_bytes`` and
 the run is killed once it has written ``kill_output_bytes``. On a timeout, an output
 overflow, a cancel, or when the program ends, every process it started is killed —
-also ones that left its process group — and the temp dir is removed.
+also ones that left its process group — and the temp dir is removed. Run dirs and
+cgroups carry their owner's pid and start time in their names: where the owner was
+killed before it could clean up, the next run sweeps them (and kills what is left).
 
 Modules: :mod:`~tailcut.tools.sandbox.config` (:class:`SandboxConfig`),
 :mod:`~tailcut.tools.sandbox.local` (:class:`LocalSandbox`),

@@ -20,6 +20,11 @@ class SandboxConfig(BaseModel):
     """Address-space limit per process (RLIMIT_AS)."""
     max_file_mb: int = Field(16, ge=1, le=1_048_576)
     """Largest file the program may write (RLIMIT_FSIZE)."""
+    disk_mb: int = Field(64, ge=1, le=65_536)
+    """Disk quota of one run: its work dir and private /tmp, /var/tmp, /dev/shm share one
+    tmpfs of this size (memory-backed), so a write past it fails with ENOSPC. Needs a
+    mount namespace; without one the isolation report says so and only ``max_file_mb``
+    holds."""
     max_processes: int = Field(32, ge=1, le=4096)
     """Most processes/threads at once (RLIMIT_NPROC for its uid, and the pids cgroup)."""
     max_open_files: int = Field(256, ge=16, le=65536)

@@ -7,9 +7,9 @@ Standard library only: it runs before any site packages are importable. The pare
    every orphan of the program is re-parented here instead of escaping to init;
 2. enters new network / pid / mount namespaces where the kernel allows (as root
    directly, otherwise through a new user namespace) and records what it could not do;
-3. in the mount namespace: private tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` (the
-   work directory is bound back in), the interpreter made reachable for the
-   unprivileged uid, and every other mount remounted read-only;
+3. in the mount namespace: one size-capped tmpfs (the disk quota) holds a copy of the
+   work directory and fresh ``/tmp``, ``/var/tmp``, ``/dev/shm``; the interpreter is
+   made reachable for the unprivileged uid, and every other mount remounted read-only;
 4. forks the program: rlimits, unprivileged uid or dropped capabilities,
    ``no_new_privs``, parent-death signal, then ``execve``;
 5. waits for it, kills and reaps whatever it left behind, and reports the exit status
@@ -23,6 +23,7 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import signal
 import stat
 import sys
@@ -156,32 +157,52 @@ def _flags_of(path: str) -> int:
 
 
 def private_tmp(workdir: str, size_bytes: int, made: list[str], keep: list[str]) -> list[str]:
-    """Fresh tmpfs over the shared temp dirs; the work dir is bound back at its path, and
-    so are the ``keep`` paths (the interpreter, when it lives under a temp dir), read-only.
-    Every mount made is appended to ``made`` (for a rollback)."""
-    wd_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+    """One tmpfs of ``size_bytes`` for all the program may write (its disk quota): its
+    work dir, into which what the parent put there is copied, and fresh /tmp, /var/tmp,
+    /dev/shm. The ``keep`` paths (the interpreter, when it lives under a temp dir) are
+    bound back read-only. Every mount made is appended to ``made`` (for a rollback);
+    returns the private dirs mounted."""
+    host_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+    try:
+        owner = os.stat(host_fd)
+        inodes = max(1024, size_bytes // 4096)
+        opts = f"mode=0755,size={max(size_bytes, 1 << 20)},nr_inodes={inodes}"
+        _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)  # hidden below
+        made.append(workdir)
+        work = os.path.join(workdir, "work")
+        shutil.copytree(f"/proc/self/fd/{host_fd}", work, symlinks=True)
+    finally:
+        os.close(host_fd)
+    for dirpath, _dirs, names in os.walk(work):
+        for path in [dirpath, *(os.path.join(dirpath, n) for n in names)]:
+            os.lchown(path, owner.st_uid, owner.st_gid)
+    os.chmod(work, stat.S_IMODE(owner.st_mode))
+    subdirs = {d: os.path.join(workdir, d.strip("/").replace("/", "-")) for d in PRIVATE_DIRS}
+    for sub in subdirs.values():
+        os.mkdir(sub)
+        os.chmod(sub, 0o1777)
+    fds = {sub: os.open(sub, os.O_PATH | os.O_DIRECTORY) for sub in [work, *subdirs.values()]}
     mounted = []
     try:
-        for d in PRIVATE_DIRS:
+        for d, sub in subdirs.items():
             if not os.path.isdir(d) or os.path.islink(d):
                 continue
             kept = {k: os.open(k, os.O_PATH) for k in keep if _under(k, [d]) and os.path.exists(k)}
             try:
-                opts = f"mode=1777,size={max(size_bytes, 1 << 20)}"
-                _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+                _mount(f"/proc/self/fd/{fds[sub]}", d, None, MS_BIND, None)
                 made.append(d)
                 mounted.append(d)
-                if _under(workdir, [d]):
-                    os.makedirs(workdir, mode=0o755, exist_ok=True)
-                    _mount(f"/proc/self/fd/{wd_fd}", workdir, None, MS_BIND, None)
-                    made.append(workdir)
                 for path, fd in kept.items():
                     _bind_back_readonly(path, fd, made)
             finally:
                 for fd in kept.values():
                     os.close(fd)
+        os.makedirs(workdir, mode=0o755, exist_ok=True)  # in a fresh /tmp if under one
+        _mount(f"/proc/self/fd/{fds[work]}", workdir, None, MS_BIND, None)
+        made.append(workdir)
     finally:
-        os.close(wd_fd)
+        for fd in fds.values():
+            os.close(fd)
     return mounted
 
 
@@ -259,8 +280,9 @@ def setup_mounts(spec: dict, notes: dict) -> None:
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
         writable = private_tmp(
-            spec["workdir"], spec["limits"]["fsize_bytes"] * 4, made, spec.get("keep", [])
+            spec["workdir"], spec["limits"]["disk_bytes"], made, spec.get("keep", [])
         )
+        notes["disk"] = True
         if spec.get("uid") is not None and spec.get("expose"):
             notes["exposed"] = expose(spec["expose"], made)
     except (OSError, SetupError) as exc:
@@ -386,6 +408,11 @@ def reap_rest() -> None:
             continue
 
 
+def _used_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def start_time(pid: int) -> int:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -450,6 +477,7 @@ def main() -> int:
         run_s=run_s,
         cpu_s=usage.ru_utime + usage.ru_stime,
         maxrss_kb=usage.ru_maxrss,
+        disk_bytes=_used_bytes(spec["workdir"]) if notes.get("disk") is True else None,
     )
     return 0
 

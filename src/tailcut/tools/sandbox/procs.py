@@ -6,6 +6,8 @@
   member; else ``/proc`` is scanned for the supervisor's descendants, the run's private
   uid and, as a last resort, the run's tag in the environment.
 * :class:`PidsCgroup` is a per-run pids cgroup (v1 or v2) where the hierarchy is writable.
+  Its name carries the owner's pid and start time (:func:`owner_mark`): creating one
+  sweeps the cgroups of owners that were killed, and kills what is left in them.
 * :class:`UidPool` leases unprivileged uids to runs (one uid per concurrent run, across
   processes through ``flock``), so a process count limit and a "kill by uid" sweep
   see exactly one run.
@@ -19,6 +21,8 @@ import fcntl
 import logging
 import os
 import random
+import re
+import select
 import signal
 import time
 from dataclasses import dataclass
@@ -97,6 +101,22 @@ def _has_tag(pid: int, needle: bytes) -> bool:
     except OSError:
         return False
     return needle in data or data.startswith(needle[1:])
+
+
+def owner_mark() -> str:
+    """``PID-START`` of this process (pid and start time): run dirs and cgroups are named
+    with it, so that a later run can tell leftovers of a killed owner from live runs."""
+    return f"{os.getpid()}-{start_time(os.getpid())}"
+
+
+def owner_is_dead(name: str, prefix: str) -> bool:
+    """Whether ``name`` is ``PREFIX<owner mark>-...`` of a process that no longer runs
+    (False for names without a mark: those are not ours to judge)."""
+    m = re.fullmatch(re.escape(prefix) + r"(\d+)-(\d+)-.+", name)
+    if m is None:
+        return False
+    pid, start = int(m[1]), int(m[2])
+    return not (start_time(pid) == start and alive(pid))
 
 
 @dataclass(slots=True)
@@ -204,6 +224,20 @@ async def terminate(target: Target, *, timeout_s: float = 5.0, max_rounds: int =
     return signalled
 
 
+def _kill_and_wait(pids: set[int], timeout_s: float = 2.0) -> None:
+    """SIGKILL ``pids`` (not our children) and wait, bounded, until each has exited."""
+    fds = [fd for fd in map(_pidfd_kill, pids) if fd is not None]
+    try:
+        deadline = time.monotonic() + timeout_s
+        pending = list(fds)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(pending, [], [], left)
+            pending = [fd for fd in pending if fd not in ready]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 # -- pids cgroup ------------------------------------------------------------------------
 
 
@@ -231,6 +265,13 @@ def _own_cgroup_dir() -> tuple[Path, int] | None:
             if "pids" in enabled:
                 return base, 2
     return None
+
+
+def _members(cgroup: Path) -> set[int]:
+    try:
+        return {int(x) for x in (cgroup / "cgroup.procs").read_text().split()}
+    except OSError:
+        return set()
 
 
 class PidsCgroup:
@@ -265,20 +306,22 @@ class PidsCgroup:
 
     @staticmethod
     def _sweep(parent: Path, min_age_s: float = 120.0) -> None:
-        """Remove empty cgroups that earlier runs could not remove (old ones only: a
-        fresh empty one may belong to a run whose supervisor is about to join it)."""
+        """Remove the cgroups of killed owners (after killing what is left in them) and
+        empty ones that earlier runs could not remove (old ones only: a fresh empty one
+        may belong to a run whose supervisor is about to join it)."""
         now = time.time()
         for child in parent.iterdir():
             with contextlib.suppress(OSError):
-                old = now - child.stat().st_mtime > min_age_s
-                if old and child.is_dir() and not (child / "cgroup.procs").read_text().strip():
+                if not child.is_dir():
+                    continue
+                if owner_is_dead(child.name, "run-"):
+                    _kill_and_wait(_members(child))
+                    child.rmdir()
+                elif now - child.stat().st_mtime > min_age_s and not _members(child):
                     child.rmdir()
 
     def pids(self) -> set[int]:
-        try:
-            return {int(x) for x in (self.path / "cgroup.procs").read_text().split()}
-        except OSError:
-            return set()
+        return _members(self.path)
 
     def remove(self) -> bool:
         try:

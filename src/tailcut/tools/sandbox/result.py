@@ -6,6 +6,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from tailcut.errors import TailcutError
+
 SandboxStatus = Literal["ok", "error", "timeout", "memory", "killed"]
 _MEMORY_TEXT = re.compile(
     r"^(\w+\.)*MemoryError\b|std::bad_alloc|Cannot allocate memory|out of memory|"
@@ -19,7 +21,7 @@ def looks_like_memory_error(stderr: str) -> bool:
     return _MEMORY_TEXT.search(stderr[-8192:]) is not None
 
 
-class SandboxError(RuntimeError):
+class SandboxError(TailcutError, RuntimeError):
     """The sandbox itself could not run the program (not an error of the program)."""
 
 
@@ -37,8 +39,12 @@ class SandboxResult:
     """How long the program itself ran, as the backend measured it."""
     cpu_s: float | None = None
     max_rss_kb: int | None = None
+    disk_bytes: int | None = None
+    """What the program left in its disk quota (work dir and private /tmp) at its end."""
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    invalid_utf8_bytes: int = 0
+    """Bytes of the kept stdout and stderr that were not UTF-8 (each shown as U+FFFD)."""
     isolation: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -9,12 +9,14 @@ cancel, and the classification of how the program ended.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -31,6 +33,8 @@ from tailcut.tools.sandbox.procs import (
     Target,
     UidLease,
     UidPool,
+    owner_is_dead,
+    owner_mark,
     terminate,
 )
 from tailcut.tools.sandbox.result import (
@@ -46,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
+DIR_PREFIX = "tailcut-sbx-"
+_INVALID = re.compile("[\udc80-\udcff]")  # bytes that are not UTF-8, surrogate-escaped
 _warned: set[str] = set()
 
 
@@ -67,11 +73,16 @@ class _Capture:
         if self.on_chunk is not None:
             self.on_chunk(self.name, chunk)
 
-    def text(self) -> str:
-        out = self.head.decode("utf-8", errors="replace")
-        if self.total > len(self.head):
-            out += f"\n[... {self.total - len(self.head)} more bytes not shown]"
-        return out
+    def text(self) -> tuple[str, int]:
+        """The kept head as text, and how many of its bytes were not UTF-8 (each is
+        shown as U+FFFD)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        raw = decoder.decode(bytes(self.head), final=self.total == len(self.head))
+        out, invalid = _INVALID.subn("\ufffd", raw)
+        shown = len(self.head) - len(decoder.getstate()[0])  # a character cut in two: not shown
+        if self.total > shown:
+            out += f"\n[... {self.total - shown} more bytes not shown]"
+        return out, invalid
 
 
 def _interpreter_paths(python: str) -> list[str]:
@@ -128,8 +139,14 @@ class Run:
         return self._result(time.monotonic() - started)
 
     def _prepare(self, code: str, files: dict[str, bytes]) -> None:
-        root = self.cfg.tmp_dir or tempfile.gettempdir()
-        self.workdir = Path(tempfile.mkdtemp(prefix="tailcut-sbx-", dir=root))
+        size = len(code.encode()) + sum(map(len, files.values()))
+        if size > self.cfg.disk_mb * 2**20:
+            raise SandboxError(f"the program and its files ({size} bytes) exceed the "
+                               f"sandbox disk quota of {self.cfg.disk_mb} MiB")  # fmt: skip
+        root = Path(self.cfg.tmp_dir or tempfile.gettempdir())
+        run_id = f"{owner_mark()}-{self.tag}"  # a later run sweeps it if we are killed
+        self.workdir = root / f"{DIR_PREFIX}{run_id}"
+        self.workdir.mkdir(mode=0o700)
         (self.workdir / "main.py").write_text(code, encoding="utf-8")
         for name, data in files.items():
             path = (self.workdir / name).resolve()
@@ -145,8 +162,9 @@ class Run:
                 os.chown(p, self.lease.uid, self.lease.uid)
         else:
             self.workdir.chmod(0o700)
-        if self.cfg.use_cgroup:
-            self.cgroup = PidsCgroup.create(f"run-{self.tag}", self.cfg.max_processes + 4)
+        if self.cfg.use_cgroup:  # sweeps (and kills) what runs of killed owners left
+            self.cgroup = PidsCgroup.create(f"run-{run_id}", self.cfg.max_processes + 4)
+        sweep_run_dirs(root)
 
     def _spec(self, info_fd: int) -> dict[str, Any]:
         cfg = self.cfg
@@ -184,6 +202,7 @@ class Run:
                 "cpu_s": max(1, math.ceil(cpu)),
                 "as_bytes": cfg.memory_mb * 2**20,
                 "fsize_bytes": cfg.max_file_mb * 2**20,
+                "disk_bytes": cfg.disk_mb * 2**20,
                 "nofile": cfg.max_open_files,
                 "nproc": cfg.max_processes,
             },
@@ -313,18 +332,21 @@ class Run:
         if self.reason and code is None:
             code = -signal.SIGKILL  # we killed it before the supervisor could report
         status, detail = self._classify(code, exit_info)
+        (stdout, bad_out), (stderr, bad_err) = self.out.text(), self.err.text()
         return SandboxResult(
             status=status,
-            stdout=self.out.text(),
-            stderr=self.err.text(),
+            stdout=stdout,
+            stderr=stderr,
             exit_code=code,
             duration_s=duration,
             detail=detail,
             run_s=exit_info.get("run_s"),
             cpu_s=exit_info.get("cpu_s"),
             max_rss_kb=exit_info.get("maxrss_kb"),
+            disk_bytes=exit_info.get("disk_bytes"),
             stdout_bytes=self.out.total,
             stderr_bytes=self.err.total,
+            invalid_utf8_bytes=bad_out + bad_err,
             isolation=self._isolation(),
         )
 
@@ -345,7 +367,9 @@ class Run:
         if code < 0:
             return "killed", f"killed by {signal.Signals(-code).name}"
         if code != 0:
-            return "error", f"exit code {code}"
+            full = (exit_info.get("disk_bytes") or 0) >= cfg.disk_mb * 2**20 - 2**16
+            note = f" (disk quota {cfg.disk_mb} MiB full)" if full else ""  # after an ENOSPC
+            return "error", f"exit code {code}{note}"
         return "ok", ""
 
     def _memory_evidence(self, code: int, exit_info: dict[str, Any]) -> bool:
@@ -372,6 +396,11 @@ class Run:
             else:
                 out[label] = "namespace" if value is True else f"NOT isolated: {value}"
         out["filesystem"] = notes.get("filesystem", "shared (no mount namespace)")
+        if notes.get("disk") is True:
+            out["disk"] = f"tmpfs quota {self.cfg.disk_mb} MiB (work dir and private /tmp)"
+        else:
+            why = out["mounts"].removeprefix("NOT isolated: ")
+            out["disk"] = f"NOT isolated: {why}; only {self.cfg.max_file_mb} MiB per file"
         if self.cgroup is not None:
             out["process_limit"] = f"pids cgroup ({self.cgroup.path})"
         else:
@@ -397,6 +426,13 @@ async def _bounded(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
     _, pending = await asyncio.wait(tasks, timeout=timeout_s)
     for task in pending:
         task.cancel()
+
+
+def sweep_run_dirs(root: Path) -> None:
+    """Remove the run dirs under ``root`` whose owner was killed before it could."""
+    for path in root.glob(f"{DIR_PREFIX}*"):
+        if owner_is_dead(path.name, DIR_PREFIX) and path.is_dir() and not path.is_symlink():
+            _remove_tree(path)
 
 
 def _remove_tree(path: Path) -> None:
