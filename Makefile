@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint fmt typecheck pytest bench clean
+.PHONY: install run test test-lowest lint fmt typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[torch,ray,dev]'
+	$(PY) -m pip install -q -e '.[torch,ray,dev,wandb]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -33,6 +33,10 @@ pytest: install
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest
+
+# The engine and chat-template tests at the lowest transformers pyproject.toml declares.
+test-lowest: install
+	bash scripts/lowest_transformers.sh
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -72,7 +72,7 @@ def train_variant(config: Path, name: str, out: Path, budget_s: float, extra: li
     cfg = load_train_config(config, overrides)
     console = Console()
     console.rule(f"{name}: {budget_s:.0f} s of training")
-    asyncio.run(_run(cfg, console))
+    asyncio.run(_run(cfg, console, None))
     return run_dir
 
 

@@ -209,8 +209,10 @@ class AgentLoopConfig(_Model):
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    tool_parser: Literal["hermes"] = "hermes"
-    """How tool calls are read from assistant text."""
+    tool_parser: Literal["hermes", "llama3_json", "mistral", "auto"] = "hermes"
+    """How tool calls are read from assistant text (``chat/parser.py``): hermes
+    ``<tool_call>`` (Qwen), llama3_json (Llama 3.x JSON calls), mistral ``[TOOL_CALLS]``;
+    auto: the format the model's chat template names, else each turn by its call markers."""
     max_tool_calls_per_turn: int = Field(8, ge=1, le=256)
     """Calls beyond this in one turn are answered with an error message, not run."""
     max_tool_call_chars: int = Field(16_384, ge=16, le=10_000_000)

@@ -78,13 +78,23 @@ def _hf_model(name: str, device: str) -> Any:
     return random_qwen2(name, device=device)
 
 
+@functools.cache
+def _hf_family(family: str) -> Any:
+    from hf_families import tiny_model
+
+    return tiny_model(family, 512)
+
+
 @asynccontextmanager
 async def _hf(name: str, device: str) -> AsyncIterator[Engine]:
-    """The embedded HF engine with a random-init Qwen2 (nothing downloaded)."""
+    """The embedded HF engine with a random-init Qwen2 (nothing downloaded), or with a tiny
+    model of another family (``family:<name>``, ``hf_families``)."""
     from tailcut.config import HFEngineConfig
     from tailcut.engine.hf import HFEngine
 
-    engine = HFEngine(_hf_model(name, device), HFEngineConfig(max_seq_len=1024), max_batch_size=32)
+    family = name.removeprefix("family:")
+    model = _hf_family(family) if family != name else _hf_model(name, device)
+    engine = HFEngine(model, HFEngineConfig(max_seq_len=1024), max_batch_size=32)
     try:
         yield engine
     finally:
@@ -118,6 +128,17 @@ ENGINE_CASES: list[EngineCase] = [
         open=lambda: _hf("random-tiny", "cpu"),
         long_tokens=1000,
         settle_s=0.5,
+    ),
+    *(
+        EngineCase(
+            # Other families on CPU: Llama; Gemma 2 (sliding-window and full layers,
+            # soft-capped attention logits), through the engine's one attention path.
+            name=f"hf-tiny-{family}",
+            open=lambda family=family: _hf(f"family:{family}", "cpu"),
+            long_tokens=1000,
+            settle_s=0.5,
+        )
+        for family in ("llama", "gemma2")
     ),
     EngineCase(
         # ~0.5B random-init Qwen2 in bf16 on a GPU (opt-in: -m gpu).

@@ -215,3 +215,16 @@ def test_a_read_only_checkpoint_dir_is_one_line(tmp_path: Path, tiny_model: Path
     done = _cli(run, tiny_model, "trainer.steps=1")  # writable again: the run completes
     assert done.returncode == 0, done.stderr[-3000:]
     assert _steps(run) == [0, 1] and _latest_step(run) == 1
+
+
+def test_a_run_whose_every_sample_fails_exits_non_zero_with_the_cause(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    run = tmp_path / "run"
+    proc = _cli(run, tiny_model, "trainer.steps=2", "engine.hf.max_seq_len=16")
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-3000:])
+    line = _error_line(proc)
+    assert line.startswith("error: step 1: 4/4 samples failed — EngineError: "), line
+    assert "leaves no room in the" in line and "(4)" in line
+    assert "trainer.max_failed_fraction=0.5" in line
+    assert _steps(run) == [0]  # the start's validation; no step was trained or logged

@@ -16,13 +16,15 @@ older policy. Per loss token ``w_it = exp(π_old_it − μ_it)``; per sequence
 A token whose engine log-prob is missing (NaN) has ``w = 1`` and is left out of the metrics.
 Metrics over the loss tokens: ``rollout_is_mean`` (mean ``w`` before truncation),
 ``rollout_is_clipped_frac`` (share of tokens truncated or masked), ``mismatch_kl`` (the k3
-estimate of KL(μ ‖ π_old) on tokens sampled from μ).
+estimate of KL(μ ‖ π_old) on tokens sampled from μ). They are ratios of sums
+(``Correction.sums``), so the metrics of a batch split over ranks are
+:func:`correction_metrics` of the summed sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,6 +39,18 @@ class Correction:
     loss_mask: Tensor
     """B × R loss mask after masked IS (the input mask for the other modes)."""
     metrics: dict[str, float]
+    sums: dict[str, float] = field(default_factory=dict)
+    """What ``metrics`` are ratios of (``tokens``, ``changed``, ``known``, ``w``, ``kl``):
+    add them over parts of a batch, then :func:`correction_metrics`."""
+
+
+def correction_metrics(sums: Mapping[str, float]) -> dict[str, float]:
+    """The metrics of :class:`Correction` from its ``sums`` (or their sum over ranks)."""
+    out = {"rollout_is_clipped_frac": sums["changed"] / max(sums["tokens"], 1.0)}
+    if sums["known"] > 0:
+        out["rollout_is_mean"] = sums["w"] / sums["known"]
+        out["mismatch_kl"] = sums["kl"] / sums["known"]
+    return out
 
 
 def _token_tis(log_w: Tensor, m: Tensor, c: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,10 +116,12 @@ def rollout_correction(
         weights, mask, changed = torch.ones_like(log_w), m, torch.zeros_like(m, dtype=torch.bool)
     else:
         weights, mask, changed = fn(log_w, m, threshold)
-    n_known = float(known.sum())
-    metrics = {"rollout_is_clipped_frac": float(changed.sum()) / max(float(m.sum()), 1.0)}
-    if n_known > 0:
-        lw = log_w[known]
-        metrics["rollout_is_mean"] = float(lw.exp().mean())
-        metrics["mismatch_kl"] = float((lw.exp() - lw - 1.0).mean())
-    return Correction(weights, mask.to(loss_mask.dtype), metrics)
+    lw = log_w[known].double()
+    sums = {
+        "tokens": float(m.sum()),
+        "changed": float(changed.sum()),
+        "known": float(known.sum()),
+        "w": float(lw.exp().sum()),
+        "kl": float((lw.exp() - lw - 1.0).sum()),
+    }
+    return Correction(weights, mask.to(loss_mask.dtype), correction_metrics(sums), sums)

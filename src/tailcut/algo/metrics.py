@@ -248,8 +248,9 @@ def validation_metrics(step: StepLike, seconds: float) -> dict[str, float]:
     }
 
 
-_VARYING = re.compile(r"[0-9a-f]{24}|\d+")
-"""Request ids and numbers: what differs between failures of one cause."""
+_VARYING = re.compile(r"[\w.-]*\d[\w.-]*")
+"""Words with a digit (numbers, request ids, paths with a step): what differs between
+failures of one cause."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from tailcut.rollout.step import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.train.actor import Actor
 from tailcut.train.config import DataConfig, TrainConfig
+from tailcut.train.distributed import Ranks
 from tailcut.train.trainer import TrainSetup
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -71,17 +72,35 @@ def make_toolset(cfg: DataConfig) -> ToolSet:
     return load_tool_config(cfg.tool_config) if cfg.tool_config else tools_by_name(cfg.tools)
 
 
+def make_reward(cfg: TrainConfig) -> RewardFn:
+    """The trajectory reward ``data.reward`` names, with DAPO's overlong penalty where
+    ``data.overlong_buffer`` is set (``reward/overlong.py``)."""
+    from tailcut.reward.overlong import OverlongPenalty
+
+    d = cfg.data
+    overlong = None
+    if d.overlong_buffer:
+        overlong = OverlongPenalty(
+            cfg.agent.max_response_tokens, d.overlong_buffer, d.overlong_penalty
+        )
+    return RewardFn(d.reward, name=d.reward_fn, overlong=overlong)
+
+
 # -- engine and actor ------------------------------------------------------------------------
 
 
-def make_actor(cfg: TrainConfig, path: Path) -> Actor:
+def make_actor(cfg: TrainConfig, path: Path, ranks: Ranks | None = None) -> Actor:
     from transformers import AutoModelForCausalLM
 
+    ranks = ranks or Ranks.single()
     if cfg.actor.threads:
         torch.set_num_threads(cfg.actor.threads)
-    device = resolve_device(cfg.actor.device, option="actor.device:")
+    if ranks.distributed:
+        device = ranks.device(cfg.actor.device)
+    else:
+        device = resolve_device(cfg.actor.device, option="actor.device:")
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
+        path, dtype=torch.float32, attn_implementation=_exact_attention(path)
     )
     ref = copy.deepcopy(model).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
     return Actor(
@@ -92,7 +111,18 @@ def make_actor(cfg: TrainConfig, path: Path) -> Actor:
         temperature=cfg.agent.temperature,
         ref_model=ref,
         device=device,
+        ranks=ranks,
     )
+
+
+def _exact_attention(path: Path) -> str:
+    """The actor's attention for the model in ``path``: SDPA, or eager where attention
+    logits are soft-capped (Gemma 2), so its log-probs are the engine's."""
+    from transformers import AutoConfig
+
+    from tailcut.engine.hf.support import exact_attention
+
+    return exact_attention(AutoConfig.from_pretrained(path))
 
 
 @dataclass(frozen=True)
@@ -110,7 +140,7 @@ class TrainRecipe:
 
         c = self.cfg
         tokenizer: Any = AutoTokenizer.from_pretrained(self.model_path)
-        reward = RewardFn(c.data.reward, name=c.data.reward_fn)
+        reward = make_reward(c)
         loop = ResumableAgentLoop(
             tokenizer, c.agent, toolset=make_toolset(c.data), reward_fn=reward,
             require_logprobs=needs_engine_logprobs(c),
@@ -123,19 +153,30 @@ def needs_engine_logprobs(cfg: TrainConfig) -> bool:
     return cfg.algo.old_logprobs == "engine" or cfg.algo.rollout_correction != "none"
 
 
-def build_setup(cfg: TrainConfig) -> TrainSetup:
+def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
+    """The setup of this process (of this rank, in a job of several: its own engine on its
+    own device, its shard of the actor)."""
     from transformers import AutoTokenizer
 
+    ranks = ranks or Ranks.single()
+    if ranks.distributed:
+        engine_cfg = cfg.engine.model_copy(update={"device": str(ranks.device(cfg.engine.device))})
+        cfg = cfg.model_copy(update={"engine": engine_cfg})
+
     path = model_dir(cfg.engine.model, "engine.model")
+    if cfg.engine.kind == "hf":  # a model it cannot run: refused before anything is loaded
+        from tailcut.engine.hf.support import check_model_dir
+
+        check_model_dir(path)
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_rows, val_rows = load_rows(cfg, tokenizer)
     toolset = make_toolset(cfg.data)
-    reward = RewardFn(cfg.data.reward, name=cfg.data.reward_fn)
+    reward = make_reward(cfg)
     val_agent: AgentLoopConfig = cfg.agent.model_copy(
         update={"temperature": cfg.trainer.val_temperature}
     )
-    actor = make_actor(cfg, path)
+    actor = make_actor(cfg, path, ranks)
     engine = engine_for(cfg.engine, path)
     return TrainSetup(
         actor=actor,
@@ -154,6 +195,7 @@ def build_setup(cfg: TrainConfig) -> TrainSetup:
         reward_seconds=lambda: reward.seconds,
         close=_closer(engine, reward),
         recipe=TrainRecipe(cfg, str(path)) if cfg.engine.kind != "hf" else None,
+        ranks=ranks,
     )
 
 

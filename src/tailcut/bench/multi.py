@@ -13,18 +13,17 @@ engine verified idle.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tailcut.bench.oracle import simulate
+from tailcut.bench.vloop import run_result, run_virtual_result
 from tailcut.bench.workloads import Trajectory, TurnSpec, get_workload, make_samples
 from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.rollout.recipes import SimRecipe
 from tailcut.rollout.step import StepResult
 from tailcut.rollout.workers import LocalWorkers, Workers
-from tailcut.vtime import run_virtual
 
 
 def harder(t: Trajectory, d: float) -> Trajectory:
@@ -115,7 +114,7 @@ def run_scopes(
     for scope in ("worker", "global"):
         cfg = CutoffConfig(policy="target-count", abort_ratio=abort_ratio, scope=scope)
         local = LocalWorkers(cfg, SimRecipe(engine), workers)
-        res = run_virtual(_one_step(local, pool, n, 1))
+        res = run_virtual_result(_one_step(local, pool, n, 1))
         kept = len(res.kept)
         per_worker_kept = [
             sum(1 for i in res.kept if offsets[r] <= i < offsets[r + 1]) for r in range(workers)
@@ -164,7 +163,7 @@ def ray_propagation_ms(workers: int = 4, per_worker: int = 64, seed: int = 0) ->
         await ray_pool.start()
         return await _one_step(ray_pool, pool, workers * per_worker, 1)
 
-    res = asyncio.run(main())
+    res = run_result(main())
     return {
         "workers": workers,
         "requests": workers * per_worker,

@@ -22,12 +22,14 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tailcut.bench.vloop import run_virtual_result
 from tailcut.bench.workloads import Trajectory, make_samples
 from tailcut.config import SimEngineConfig
 from tailcut.engine.sim import SimEngine
+from tailcut.rollout.gc_pause import gc_paused
 from tailcut.rollout.scripted import ScriptedRollout
 from tailcut.trace.events import NULL_TRACER
-from tailcut.vtime import run_virtual
+from tailcut.types import Sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,28 +48,34 @@ class SimRun:
 
 
 async def simulate_async(trajectories: Sequence[Trajectory], config: SimEngineConfig) -> SimRun:
-    """Run every trajectory on a fresh engine at once and wait for all (current loop)."""
+    """Run every trajectory on a fresh engine at once and wait for all (current loop).
+
+    Only each trajectory's end time and turn count are kept: a sample (and its token
+    arrays) is dropped as soon as it ends, so memory follows the requests in flight. The
+    cyclic collector is paused as in a rollout step (``rollout/gc_pause.py``)."""
     engine = SimEngine(config)
     rollout = ScriptedRollout()
-    samples = make_samples(trajectories)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    ends = [0.0] * len(samples)
+    ends = [0.0] * len(trajectories)
+    turns = [0] * len(trajectories)
 
-    async def one(i: int) -> None:
-        await rollout(samples[i], engine, NULL_TRACER)
+    async def one(i: int, sample: Sample) -> None:
+        await rollout(sample, engine, NULL_TRACER)
         ends[i] = loop.time() - t0
+        turns[i] = len(sample.turns)
 
-    async with asyncio.TaskGroup() as tg:
-        for i in range(len(samples)):
-            tg.create_task(one(i))
-    await engine.aclose()
-    return SimRun(ends, [len(s.turns) for s in samples])
+    with gc_paused():
+        async with asyncio.TaskGroup() as tg:
+            for i, sample in enumerate(make_samples(trajectories)):
+                tg.create_task(one(i, sample))
+        await engine.aclose()
+    return SimRun(ends, turns)
 
 
 def simulate(trajectories: Sequence[Trajectory], config: SimEngineConfig) -> SimRun:
     """:func:`simulate_async` on its own virtual-time loop."""
-    return run_virtual(simulate_async(trajectories, config))
+    return run_virtual_result(simulate_async(trajectories, config))
 
 
 def first_finishers(
@@ -101,7 +109,15 @@ def oracle_s(
     uncut = uncut if uncut is not None else simulate(pool, config)
     if k >= len(pool):
         return uncut.makespan_s
-    chosen = first_finishers(uncut, [t.group for t in pool], k, group_size)
+    return kept_makespan_s(
+        pool, first_finishers(uncut, [t.group for t in pool], k, group_size), config
+    )
+
+
+def kept_makespan_s(
+    pool: Sequence[Trajectory], chosen: Sequence[int], config: SimEngineConfig
+) -> float:
+    """Makespan of launching only ``pool[i]`` for ``i`` in ``chosen`` (the clairvoyant run)."""
     return simulate([pool[i] for i in chosen], config).makespan_s
 
 

@@ -14,6 +14,7 @@ workload so it has a history, as it would in a training run.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,12 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from tailcut.bench.oracle import SimRun, bound_s, oracle_s, simulate
+from tailcut.bench.oracle import (
+    SimRun,
+    bound_s,
+    first_finishers,
+    kept_makespan_s,
+    oracle_s,
+    simulate,
+)
 from tailcut.bench.sim_step import ScaleCut, overhead_us_per_request, run_policy_step, scale_cut
 from tailcut.bench.workloads import REFERENCE, Trajectory, Workload
 from tailcut.config import CutoffConfig, SimEngineConfig
 from tailcut.rollout.cutoff import POLICIES, CutoffPolicy, make_policy
 from tailcut.rollout.step import StepResult
+from tailcut.types import FINISHED
 
 POLICY_NAMES = tuple(POLICIES)
 """Every registered cut-off policy, in registry order."""
@@ -135,24 +144,64 @@ def build_policy(name: str, opts: BenchOptions) -> CutoffPolicy:
 
 
 class _Pools:
-    """Uncut simulations of each launched pool of a step (for the oracle's ordering)."""
+    """The launched pools of one step and their uncut runs (for the oracle's ordering).
+
+    The oracle keeps the ``k`` requests of a pool that finish first when nothing is cut.
+    An uncut step of a pool is its uncut run itself. A step cut on a count (``target``:
+    the k-th usable sample ended) is the uncut run up to the cut: until then nothing
+    differed (the policy only counts), every request that ends by the cut instant has
+    ended (those resolved at the k-th one's step boundary end as usable, the cut does not
+    stop them), and the cut comes exactly when ``k`` have. Its known ends order the first
+    finishers as the uncut run would, so that run is not simulated again. It is used only
+    where that holds: no failure, every generation takes time (a zero-token turn or a
+    zero-cost decode step could start and end at the cut instant itself, and the cut would
+    refuse it), and the chosen requests all ended by the cut; anything else is simulated,
+    as before."""
 
     def __init__(self, trajectories: Sequence[Trajectory], engine_cfg: SimEngineConfig):
         self.trajectories = trajectories
         self.engine_cfg = engine_cfg
         self._runs: dict[int, SimRun] = {}
+        self._cut_runs: dict[int, SimRun] = {}
+        """Pool size → its ends up to a count cut (inf for requests that had not ended)."""
 
     def record(self, n: int, result: StepResult) -> None:
-        """An uncut step of the first ``n`` trajectories is the uncut simulation itself."""
-        if result.cut_time_s is None and result.failed == 0 and n not in self._runs:
-            t0 = min(s.launched_at or 0.0 for s in result.samples)
-            ends = [(s.ended_at or t0) - t0 for s in result.samples]
-            self._runs[n] = SimRun(ends, [len(s.turns) for s in result.samples])
+        """Keep what an uncut step, or a step cut on a count, says about the uncut run."""
+        if result.failed:
+            return
+        t0 = min((s.launched_at or 0.0 for s in result.samples), default=0.0)
+        turns = [len(s.turns) for s in result.samples]
+        if result.cut_time_s is None:
+            if n not in self._runs:
+                self._runs[n] = SimRun([(s.ended_at or t0) - t0 for s in result.samples], turns)
+        elif result.cut_reason == "target" and n not in self._cut_runs and self._prefix_holds(n):
+            cut, ends = result.cut_time_s, []
+            for s in result.samples:
+                end = math.inf if s.ended_at is None else s.ended_at - t0
+                ends.append(end if s.status in FINISHED and end <= cut else math.inf)
+            self._cut_runs[n] = SimRun(ends, turns)
+
+    def _prefix_holds(self, n: int) -> bool:
+        """Every generation takes time: none can start and end at the cut instant."""
+        cfg = self.engine_cfg
+        if cfg.decode_a_s + cfg.decode_c_s <= 0:
+            return False
+        return all(u.output_tokens > 0 for t in self.trajectories[:n] for u in t.turns)
 
     def uncut(self, n: int) -> SimRun:
         if n not in self._runs:
             self._runs[n] = simulate(self.trajectories[:n], self.engine_cfg)
         return self._runs[n]
+
+    def oracle_s(self, n: int, k: int, group_size: int | None) -> float:
+        """:func:`oracle_s` of keeping ``k`` of the first ``n`` trajectories."""
+        pool = self.trajectories[:n]
+        cut = self._cut_runs.get(n)
+        if n not in self._runs and cut is not None and 0 < k < n:
+            chosen = first_finishers(cut, [t.group for t in pool], k, group_size)
+            if chosen and all(cut.end_s[i] < math.inf for i in chosen):
+                return kept_makespan_s(pool, chosen, self.engine_cfg)
+        return oracle_s(pool, k, self.engine_cfg, uncut=self.uncut(n), group_size=group_size)
 
 
 def measure_step(
@@ -173,13 +222,22 @@ def measure_step(
         abort_deadline_s=opts.abort_deadline_s,
     )
     pools.record(len(pool), res)
+    figs = _step_figures(name, step, res, engine_wasted, after_abort)
+    del res  # the step's samples and token arrays go before the oracle's simulations run
+    group_size = opts.group_size if name == "group-quota" else None
+    figs.oracle_s = pools.oracle_s(len(pool), figs.kept, group_size)
+    figs.bound_s = bound_s(pool, figs.kept, pools.engine_cfg)
+    return figs
+
+
+def _step_figures(
+    name: str, step: int, res: StepResult, engine_wasted: int, after_abort: int
+) -> StepFigures:
+    """A step's figures from its result (the yardsticks, ``oracle_s`` and ``bound_s``,
+    are filled in by the caller)."""
     kept = res.kept
     t0 = min((s.launched_at for s in res.samples if s.launched_at is not None), default=0.0)
     kth = max(((res.samples[i].ended_at or t0) - t0 for i in kept), default=0.0)
-    group_size = opts.group_size if name == "group-quota" else None
-    oracle = oracle_s(
-        pool, len(kept), pools.engine_cfg, uncut=pools.uncut(len(pool)), group_size=group_size
-    )
     return StepFigures(
         policy=name,
         step=step,
@@ -188,8 +246,8 @@ def measure_step(
         step_time_s=res.step_time_s,
         cut_time_s=res.cut_time_s,
         kth_completion_s=kth,
-        oracle_s=oracle,
-        bound_s=bound_s(pool, len(kept), pools.engine_cfg),
+        oracle_s=math.nan,
+        bound_s=math.nan,
         completed=res.completed,
         aborted=res.aborted,
         failed=res.failed,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tailcut.bench.vloop import run_virtual_result
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
 from tailcut.config import SimEngineConfig
 from tailcut.engine.base import BaseEngine
@@ -30,7 +31,6 @@ from tailcut.rollout.scripted import ScriptedRollout
 from tailcut.rollout.step import StepResult
 from tailcut.trace.events import NULL_TRACER, Tracer
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult
-from tailcut.vtime import run_virtual
 
 
 class ZeroLatencyEngine(BaseEngine):
@@ -133,7 +133,7 @@ def run_policy_step(
 ) -> tuple[StepResult, int, int]:
     """One step of ``policy`` on a fresh engine and virtual loop:
     (result, engine-counted wasted tokens, tokens generated after an abort)."""
-    return run_virtual(
+    return run_virtual_result(
         _step_async(policy, trajectories, engine_cfg, run_dir, step, abort_deadline_s)
     )
 
@@ -161,7 +161,7 @@ def overhead_us_per_request(
                 await run_step(engine, samples, ScriptedRollout(), policy, tracer)
             return time.perf_counter() - t0
 
-        elapsed = run_virtual(go())
+        elapsed = run_virtual_result(go())
     return elapsed / len(samples) * 1e6
 
 

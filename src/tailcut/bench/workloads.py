@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tailcut.errors import TailcutError
 from tailcut.jsonl import read_jsonl
 from tailcut.types import Sample, token_array
 
@@ -69,7 +70,7 @@ class Workload(Protocol):
         ...
 
 
-class WorkloadError(ValueError):
+class WorkloadError(TailcutError, ValueError):
     pass
 
 

@@ -1,16 +1,26 @@
 """Tool-call parsers: assistant text → tool calls and parse errors, in text order.
 
-The hermes format (Qwen2.5, NousResearch) puts each call in its own block, several per
-turn::
+One parser per model family's format, by name (``agent.tool_parser``):
 
-    <tool_call>
-    {"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}
-    </tool_call>
+* ``hermes`` — Qwen2.5 / Qwen3, NousResearch Hermes: each call in its own block, several
+  per turn::
 
-A block that cannot be used (bad JSON, no name, arguments that are not an object, an
-unterminated block, a block over the size limit) becomes a :class:`ToolCallError`; the
-agent loop answers it with a tool message explaining the error, and the trajectory goes on.
-Parsing never raises.
+      <tool_call>
+      {"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}
+      </tool_call>
+
+* ``llama3_json`` — Llama 3.x: the message is the JSON call, arguments under
+  ``parameters`` (:mod:`tailcut.chat.parser_llama`);
+* ``mistral`` — ``[TOOL_CALLS]`` followed by a JSON list (v3) or ``name[ARGS]{...}`` (v11+)
+  (:mod:`tailcut.chat.parser_mistral`);
+* ``auto`` — the format the model's chat template names (:func:`detect_tool_parser`: its
+  call markers); without a template (or one that names none), each turn is read in the
+  format whose marker it holds.
+
+A call that cannot be used (bad JSON, no name, arguments that are not an object, an
+unterminated block, a call over the size limit) becomes a :class:`ToolCallError` whose
+message explains the format; the agent loop answers it with a tool message, and the
+trajectory goes on. Parsing never raises.
 """
 
 from __future__ import annotations
@@ -18,53 +28,36 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from tailcut.chat.parser_llama import PYTHON_TAG, Llama3JsonParser
+from tailcut.chat.parser_mistral import TOOL_CALLS, MistralParser
 from tailcut.chat.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from tailcut.chat.tool_calls import (
+    HERMES_HINT,
+    ParsedTurn,
+    ToolCall,
+    ToolCallError,
+    ToolParser,
+    call_from_object,
+    json_error,
+    too_long,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    raw: str
-    """The text between the tags, as the model wrote it."""
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallError:
-    reason: str
-    raw: str
-    name: str | None = None
-    """The tool name, when the block got far enough to tell."""
-
-    def message(self) -> str:
-        """The tool message the model reads."""
-        return (
-            f"Error: could not parse tool call: {self.reason}. Write each call as "
-            f'{TOOL_CALL_OPEN}{{"name": <function-name>, "arguments": <args-json-object>}}'
-            f"{TOOL_CALL_CLOSE}."
-        )
-
-
-@dataclass(slots=True)
-class ParsedTurn:
-    content: str
-    """The assistant text with the tool-call blocks removed."""
-    items: list[ToolCall | ToolCallError] = field(default_factory=list)
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return [item for item in self.items if isinstance(item, ToolCall)]
-
-    @property
-    def errors(self) -> list[ToolCallError]:
-        return [item for item in self.items if isinstance(item, ToolCallError)]
-
-
-class ToolParser(Protocol):
-    def parse(self, text: str) -> ParsedTurn: ...
+__all__ = [
+    "PARSERS",
+    "AutoParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ParsedTurn",
+    "ToolCall",
+    "ToolCallError",
+    "ToolParser",
+    "detect_tool_parser",
+    "format_tool_call",
+    "get_parser",
+]
 
 
 class HermesParser:
@@ -94,48 +87,70 @@ class HermesParser:
         return ParsedTurn(content="".join(pieces).strip(), items=items)
 
     def _one(self, raw: str) -> ToolCall | ToolCallError:
-        if len(raw) > self.max_call_chars:
-            return ToolCallError(
-                f"the call is {len(raw)} characters long, the limit is {self.max_call_chars}",
-                raw[:200],
-            )
+        error = too_long(raw, self.max_call_chars, HERMES_HINT)
+        if error is not None:
+            return error
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
-            return ToolCallError(
-                f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", raw
-            )
-        if not isinstance(obj, dict):
-            return ToolCallError(f"expected a JSON object, got {type(obj).__name__}", raw)
-        name = obj.get("name")
-        if not isinstance(name, str) or not name.strip():
-            return ToolCallError("missing 'name' (a non-empty string)", raw)
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models send the arguments JSON-encoded
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                return ToolCallError(f"'arguments' string is not JSON ({exc.msg})", raw, name)
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            return ToolCallError(
-                f"'arguments' must be a JSON object, got {type(args).__name__}", raw, name
-            )
-        return ToolCall(name=name, arguments=args, raw=raw)
+            return ToolCallError(json_error(exc), raw)
+        return call_from_object(obj, raw, HERMES_HINT)
 
 
-PARSERS: dict[str, Callable[..., ToolParser]] = {"hermes": HermesParser}
+class AutoParser:
+    """Each turn in the format whose call marker it holds (``[TOOL_CALLS]``, then
+    ``<tool_call>``, then a Llama JSON call); a turn with none has no calls."""
+
+    def __init__(self, max_call_chars: int = 16_384) -> None:
+        self.hermes = HermesParser(max_call_chars)
+        self.llama = Llama3JsonParser(max_call_chars)
+        self.mistral = MistralParser(max_call_chars)
+
+    def parse(self, text: str) -> ParsedTurn:
+        if TOOL_CALLS in text:
+            return self.mistral.parse(text)
+        if TOOL_CALL_OPEN in text:
+            return self.hermes.parse(text)
+        return self.llama.parse(text)
+
+
+PARSERS: dict[str, Callable[..., ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "auto": AutoParser,
+}
 """Parser factories by name (``AgentLoopConfig.tool_parser``)."""
 
+_MISTRAL_MARKERS = (TOOL_CALLS, "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]")
+_LLAMA_MARKERS = (PYTHON_TAG, '"parameters": dictionary of argument name')
 
-def get_parser(name: str, **kwargs: Any) -> ToolParser:
+
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template's tool-call markers name: ``mistral`` (``[TOOL_CALLS]``,
+    ``[AVAILABLE_TOOLS]``, ``[TOOL_RESULTS]``),
+    ``hermes`` (``<tool_call>``), ``llama3_json`` (``<|python_tag|>`` or Llama's
+    ``"parameters"`` instruction); None when it names none."""
+    if not chat_template:
+        return None
+    if any(marker in chat_template for marker in _MISTRAL_MARKERS):
+        return "mistral"
+    if TOOL_CALL_OPEN in chat_template:
+        return "hermes"
+    if any(marker in chat_template for marker in _LLAMA_MARKERS):
+        return "llama3_json"
+    return None
+
+
+def get_parser(name: str, *, chat_template: str | None = None, **kwargs: Any) -> ToolParser:
+    """The parser called ``name``; ``auto`` picks the one ``chat_template`` names
+    (:func:`detect_tool_parser`), else reads each turn by its markers (:class:`AutoParser`)."""
+    if name == "auto":
+        name = detect_tool_parser(chat_template) or "auto"
     try:
         factory = PARSERS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown tool parser {name!r}; known: {', '.join(sorted(PARSERS))}"
-        ) from None
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(PARSERS)}") from None
     return factory(**kwargs)
 
 

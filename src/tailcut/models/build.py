@@ -33,12 +33,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tailcut.chat.template import CHAT_TEMPLATE, END_OF_TEXT, IM_END
 from tailcut.models.resolve import BUILD_INFO, sha256_file, verify_build
+
+if TYPE_CHECKING:
+    from tailcut.models.tasks import Task
 
 UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -53,6 +56,10 @@ class ModelRecipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    variant: Literal["arith", "code"] = "arith"
+    """The task the model is fine-tuned on (``models/tasks.py``): arith, the arithmetic word
+    problems with ``calculator`` calls (``builtin``); code, the DAPO-layout problems with
+    ``code_interpreter`` calls (``builtin-code``)."""
     seed: int = Field(0, ge=0)
     """Seed of the training problems, weight init and batch order."""
     max_steps: int = Field(10, ge=1, le=12)
@@ -104,9 +111,12 @@ class BuildResult:
 
 
 def recipe_hash(recipe: ModelRecipe) -> str:
+    dumped = recipe.model_dump(mode="json")
+    if dumped["variant"] == "arith":  # the default's hash predates variants: keep it
+        del dumped["variant"]
     payload = json.dumps(
         {
-            "recipe": recipe.model_dump(mode="json"),
+            "recipe": dumped,
             "template": CHAT_TEMPLATE,
             "version": BUILD_VERSION,
         },
@@ -124,6 +134,18 @@ def default_model_dir(recipe: ModelRecipe | None = None) -> Path:
     return cache_root() / "models" / recipe_hash(recipe or ModelRecipe())
 
 
+VARIANTS: dict[str, ModelRecipe] = {
+    "arith": ModelRecipe(),
+    "code": ModelRecipe(
+        variant="code", max_steps=6, tail_alpha=1.3, tokenizer_vocab=1024,
+        strict_share=(0.8, 0.25), strict_items=2, train_problems=12000, steps=700,
+        batch_size=16, eval_problems=192,
+    ),
+}  # fmt: skip
+"""The built-in variants' recipes (``tailcut model init --variant NAME``); as model specs,
+``builtin`` is arith and ``builtin-code`` is code (:data:`tailcut.models.resolve.BUILTINS`)."""
+
+
 def is_built(path: Path, recipe: ModelRecipe) -> bool:
     return verify_build(path, recipe_hash(recipe)) is None
 
@@ -136,28 +158,29 @@ def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def _task(recipe: ModelRecipe) -> Any:
-    from tailcut.data.arith import TaskConfig
+def _task(recipe: ModelRecipe) -> Task:
+    from tailcut.models.tasks import task_for
 
-    return TaskConfig(max_steps=recipe.max_steps, tail_alpha=recipe.tail_alpha)
+    return task_for(recipe.variant, recipe.max_steps, recipe.tail_alpha, recipe.strict_items)
 
 
 def _conversations(recipe: ModelRecipe, problems: list[Any], seed: int) -> list[str]:
-    """Rendered SFT conversations; each ends ``#### N`` with its topic's ``strict_share``."""
+    """Rendered SFT conversations; each ends in the reward's format (``#### N``,
+    ``Answer: N``) with its topic's ``strict_share``, else in words."""
     import random
 
-    from tailcut.data import arith
     from tailcut.models.tokenizer import chat_renderer
 
     render = chat_renderer()
     rng = random.Random(seed)
-    common = arith.ITEMS[: recipe.strict_items]
+    task = _task(recipe)
     styles = [
-        "strict" if rng.random() < recipe.strict_share[0 if p.item in common else 1] else "plain"
+        "strict" if rng.random() < recipe.strict_share[0 if task.common(p) else 1] else "plain"
         for p in problems
     ]
+    tools = task.tools()
     return [
-        render(arith.conversation(p, style), arith.tools())
+        render(task.conversation(p, style), tools)
         for p, style in zip(problems, styles, strict=True)
     ]
 
@@ -173,10 +196,9 @@ def _deterministic(seed: int) -> None:
 def _build_tokenizer(recipe: ModelRecipe, out: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from tailcut.data import arith
     from tailcut.models.tokenizer import save_tokenizer, train_tokenizer
 
-    problems = arith.generate_problems(recipe.seed + 1, recipe.tokenizer_problems, _task(recipe))
+    problems = _task(recipe).problems(recipe.seed + 1, recipe.tokenizer_problems)
     texts = _conversations(recipe, problems, recipe.seed + 1)
     save_tokenizer(train_tokenizer(texts, recipe.tokenizer_vocab), out)
     return AutoTokenizer.from_pretrained(out)
@@ -229,11 +251,10 @@ Progress = Callable[[str, float], None]
 
 
 def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) -> list[float]:
-    from tailcut.data import arith
     from tailcut.models.sft import TrainConfig, encode_conversations, train
 
     n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
-    problems = arith.generate_problems(recipe.seed, n, _task(recipe))
+    problems = _task(recipe).problems(recipe.seed, n)
     data = encode_conversations(tokenizer, _conversations(recipe, problems, recipe.seed + 2))
     cfg = TrainConfig(
         steps=recipe.steps,
@@ -254,8 +275,7 @@ def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) 
 
 def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Build the model into ``out`` (replaced atomically); return the build info."""
-    from tailcut.data import arith
-    from tailcut.models.evaluate import greedy_accuracy
+    from tailcut.models.code_eval import CodeEvalReport
 
     report = progress or (lambda _phase, _frac: None)
     started = time.monotonic()
@@ -269,8 +289,8 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
         model = _new_model(recipe, tokenizer)
         losses = _train(recipe, model, tokenizer, report)
         report("eval", 0.0)
-        held_out = arith.generate_problems(recipe.eval_seed, recipe.eval_problems, _task(recipe))
-        ev = greedy_accuracy(model, tokenizer, held_out)
+        task = _task(recipe)
+        ev = task.evaluate(model, tokenizer, task.problems(recipe.eval_seed, recipe.eval_problems))
         model.save_pretrained(tmp)
         _generation_config(tokenizer).save_pretrained(tmp)
         info = {
@@ -287,6 +307,9 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
             ],
             "build_seconds": round(time.monotonic() - started, 1),
         }
+        if isinstance(ev, CodeEvalReport):  # the code variant: calls of the task's form
+            info["tool_calls"] = ev.calls
+            info["tool_calls_run_share"] = ev.calls_run_share
         info["files"] = _manifest(tmp)
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if out.exists():  # moved aside first: a reader never sees a half-removed build

@@ -1,7 +1,8 @@
 """The one model resolver: a model spec (``builtin`` or a Hugging Face model directory) →
 the directory to load, checked first.
 
-``builtin`` is the cached build of the default recipe, built first when it is missing (a
+``builtin`` is the cached build of the default recipe (``builtin-code``: of the
+code-interpreter variant's), built first when it is missing (a
 file lock keeps concurrent callers from building twice); a cached build that does not
 verify (:func:`verify_build`: a truncated or empty file, a bad ``config.json`` or
 ``tokenizer.json``) is refused with one line that says to rebuild it with ``tailcut model
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from tailcut.models.build import Progress
 
 BUILTIN = "builtin"
+BUILTINS: dict[str, str] = {BUILTIN: "arith", "builtin-code": "code"}
+"""Built-in model specs → their variant (``models/build.VARIANTS``): ``builtin`` is the
+default (calculator calls), ``builtin-code`` the code-interpreter variant."""
 BUILD_INFO = "tailcut_build.json"
 """The build info a tailcut build writes beside the model files (``models/build.py``)."""
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -39,24 +43,30 @@ class BrokenModelError(ModelNotFoundError):
 
 
 def resolve_model(spec: str | Path, *, progress: Progress | None = None) -> Path:
-    """The model directory for ``spec``: ``builtin`` (built if missing) or a directory."""
-    if str(spec) == BUILTIN:
-        from tailcut.models.build import ModelRecipe, default_model_dir, ensure_built, recipe_hash
+    """The model directory for ``spec``: ``builtin`` / ``builtin-code`` (built if missing) or
+    a directory."""
+    if str(spec) in BUILTINS:
+        from tailcut.models.build import VARIANTS, default_model_dir, ensure_built, recipe_hash
 
-        cached = default_model_dir()
+        variant = BUILTINS[str(spec)]
+        recipe = VARIANTS[variant]
+        cached = default_model_dir(recipe)
         if not cached.exists():
-            return ensure_built(progress=progress).path
-        problem = verify_build(cached, recipe_hash(ModelRecipe()))
+            default = variant == "arith"  # ensure_built's own default recipe
+            return ensure_built(None if default else recipe, progress=progress).path
+        problem = verify_build(cached, recipe_hash(recipe))
         if problem is not None:
+            flag = "" if variant == "arith" else f" --variant {variant}"
             raise BrokenModelError(
                 f"the built-in model in {cached} is damaged: {problem}; rebuild it with "
-                "`tailcut model init --force`"
+                f"`tailcut model init{flag} --force`"
             )
         return cached
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(
-            f"model {str(spec)!r}: no such directory (give 'builtin' or a Hugging Face model directory)"
+            f"model {str(spec)!r}: no such directory (give 'builtin', 'builtin-code' or a "
+            "Hugging Face model directory)"
         )
     config = path / "config.json"
     if not config.is_file():

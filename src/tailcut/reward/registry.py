@@ -21,6 +21,7 @@ from tailcut.reward.arith import arith_score
 from tailcut.reward.dapo import dapo_score
 from tailcut.reward.gsm8k import Mode, extract_answer, gsm8k_score
 from tailcut.reward.math import MathVerifier
+from tailcut.reward.overlong import OverlongPenalty
 from tailcut.types import Sample
 
 
@@ -218,6 +219,8 @@ class RewardFn:
     ``answer``: the registry's function for the row's ``data_source`` (or the one called
     ``name``), scored against ``reward_model.ground_truth``; its metrics go into
     ``sample.reward_info``. ``tool``: the sum of what the tools' ``calc_reward`` returned.
+    With ``overlong``, DAPO's overlong penalty of the response length is added (and kept as
+    ``reward_info["overlong_penalty"]``).
     """
 
     def __init__(
@@ -226,18 +229,26 @@ class RewardFn:
         *,
         name: str | None = None,
         registry: RewardRegistry | None = None,
+        overlong: OverlongPenalty | None = None,
     ) -> None:
         self.kind = kind
         self.registry = registry if registry is not None else default_registry(math_workers=1)
         self._score = sample_reward_fn(self.registry, name)
+        self.overlong = overlong
         self.seconds = 0.0
 
     async def __call__(self, sample: Sample, tool_rewards: Mapping[str, float]) -> float:
         t0 = time.perf_counter()
         try:
             if self.kind == "tool":
-                return float(sum(tool_rewards.values()))
-            return await self._score(sample, tool_rewards)
+                score = float(sum(tool_rewards.values()))
+            else:
+                score = await self._score(sample, tool_rewards)
+            if self.overlong is not None:
+                penalty = self.overlong(len(sample.response_ids))
+                sample.reward_info["overlong_penalty"] = penalty
+                score += penalty
+            return score
         finally:
             self.seconds += time.perf_counter() - t0
 

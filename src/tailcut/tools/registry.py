@@ -40,10 +40,13 @@ TOOLSET_KEYS = ("type", "timeout", "max_concurrency")
 TOOLS: dict[str, str] = {
     "calculator": "tailcut.tools.calculator.CalculatorTool",
     "calc_gsm8k_reward": "tailcut.tools.gsm8k.Gsm8kTool",
+    "code_interpreter": "tailcut.tools.code_interpreter.CodeInterpreterTool",
 }
 """The tool registry: a tool's name → its class, for tools that need no options (what
-``data.tools`` and a dataset's ``tools_kwargs`` name). Tools with options come from a
-tool-config file (:func:`load_tool_config`)."""
+``data.tools`` and a dataset's ``tools_kwargs`` name; ``code_interpreter`` runs in the local
+sandbox with its default limits). Tools with options come from a tool-config file
+(:func:`load_tool_config`): Sandbox Fusion with the local sandbox as the fallback is
+``class_name: tailcut.tools.code_fallback.FallbackCodeInterpreterTool``."""
 
 
 class ToolConfigError(TailcutError, ValueError):

@@ -2,20 +2,26 @@
 
 A batch (layout in ``algo/batch.py``) becomes tensors once. Only valid rows are forwarded
 (pad and masked rows add nothing to the loss, so they are skipped, not computed and
-zeroed). Each micro-batch is trimmed to its own longest prompt and response. Log-probs of
-response token ``j`` come from the logits at position ``P + j − 1``; logits are divided by
-the sampling temperature so that they describe the distribution the engine sampled from.
-The loss denominators (``LossNorm``) are computed over the whole mini-batch, so gradient
-accumulation over micro-batches gives the mini-batch gradient exactly.
+zeroed). Each micro-batch is trimmed to its own longest prompt and response; log-probs come
+from ``train/logprobs.py`` (in chunks over the tokens, temperature-scaled). The loss
+denominators (``LossNorm``) are computed over the whole mini-batch, so gradient accumulation
+over micro-batches gives the mini-batch gradient exactly.
+
+Ranks (``train/distributed.py``): with a process group the model (and the reference model) is
+sharded with FSDP2 (``train/fsdp.py``). Every rank holds the same batch; each mini-batch is
+split over the ranks by tokens and packed in micro-batches, the same count on every rank
+(``train/partition.py``). T and S are all-reduced before the backward and gradients are
+summed over the ranks, so N ranks compute the one-rank update; the metrics are global sums.
 
 π_old (``algo.old_logprobs``): ``recompute`` takes it from the actor before its first
 optimizer step — with one mini-batch and no masked correction from the first epoch's own
 forward passes (detached: no extra pass, and the ratio is exactly 1), otherwise from a
-scoring pass over every row first; the engine's log-probs then only weigh the rollout
-correction (``algo/correction.py``), whose masked modes change the loss mask before any
-denominator is counted. The policy trains without dropout, so both are the same function. ``engine`` takes the engine's log-probs as π_old (the config refuses
-combinations where they cannot be the actor's distribution). A mini-batch without loss
-tokens takes no optimizer step at all: no update from momentum, no weight decay, no LR tick.
+scoring pass over every row first (the same partition); the engine's log-probs then only
+weigh the rollout correction (``algo/correction.py``), whose masked modes change the loss mask
+before any denominator is counted. The policy trains without dropout, so both are the same
+function. ``engine`` takes the engine's log-probs as π_old (the config refuses combinations
+where they cannot be the actor's distribution). A mini-batch without loss tokens (over every
+rank) takes no optimizer step at all: no update from momentum, no weight decay, no LR tick.
 """
 
 from __future__ import annotations
@@ -27,14 +33,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tailcut.algo.batch import TrainBatch
-from tailcut.algo.correction import MASKED_MODES, Correction, rollout_correction
-from tailcut.algo.loss import LossNorm, PolicyLossSpec, entropy_from_logits, ppo_clip_loss
+from tailcut.algo.correction import (
+    MASKED_MODES,
+    Correction,
+    correction_metrics,
+    rollout_correction,
+)
+from tailcut.algo.loss import LossNorm, PolicyLossSpec, ppo_clip_loss
 from tailcut.algo.tensors import BatchTensors, to_tensors
+from tailcut.train import actor_state, fsdp
 from tailcut.train.config import ActorConfig, AlgoConfig
+from tailcut.train.distributed import Ranks
+from tailcut.train.logprobs import TokenLogProbs
+from tailcut.train.partition import plan
+
+_SUMS = ("loss", "entropy", "clip_frac", "clip_frac_dual", "ratio", "approx_kl")
+"""Per-mini-batch sums over loss tokens, all-reduced (``kl_ref`` joins them with a KL term)."""
 
 
 def _split(items: Sequence[int], parts: int) -> list[list[int]]:
@@ -51,7 +68,8 @@ def _split(items: Sequence[int], parts: int) -> list[list[int]]:
 
 @dataclass(slots=True)
 class _PiOld:
-    """π_old of one update (B × R, on the host) and the rollout-correction weights."""
+    """π_old of one update (B × R, on the host) and the rollout-correction weights. With
+    several ranks only this rank's rows are filled."""
 
     values: Tensor
     weights: Tensor | None
@@ -87,7 +105,11 @@ def _without_dropout(model: Any) -> Any:
 
 
 class Actor:
-    """Policy model + AdamW; ``update(batch)`` runs ``epochs × mini_batches`` optimizer steps."""
+    """Policy model + AdamW; ``update(batch)`` runs ``epochs × mini_batches`` optimizer steps.
+
+    ``ranks``: with a process group (``ranks.distributed``) the policy and the reference model
+    are sharded over it, and every method below is a collective: all ranks call it, with the
+    same batch, in the same order."""
 
     def __init__(
         self,
@@ -99,11 +121,26 @@ class Actor:
         temperature: float = 1.0,
         ref_model: Any | None = None,
         device: torch.device | None = None,
+        ranks: Ranks = Ranks.single(),  # noqa: B008  # frozen value
     ) -> None:
         self.cfg = cfg
+        self.ranks = ranks
         self.device = device or next(model.parameters()).device
-        self.model = _without_dropout(model.to(self.device).train())
-        self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
+        self.sharded = ranks.distributed
+        """Parameters are DTensor shards (FSDP2) over the ranks' process group."""
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.model = _without_dropout(model.train())
+        self.ref_model = None
+        if ref_model is not None and algo.kl_coef > 0:
+            self.ref_model = ref_model.requires_grad_(False).eval()
+        if not self.sharded:  # sharding moves the shards itself
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    m.to(self.device)
+        self.policy, self.ref = self._heads()
+        if cfg.gradient_checkpointing:
+            fsdp.enable_checkpointing(self.model)
+        self.autocast_dtype = self._place()
         self.spec = PolicyLossSpec(
             agg=algo.loss_agg,
             clip_low=algo.clip_low,
@@ -114,7 +151,6 @@ class Actor:
         )
         self.algo = algo
         self.norm_len = norm_len
-        self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -124,8 +160,31 @@ class Actor:
         self.optimizer_steps = 0
         self.version = 0
         """Weight version: bumped by every rollout step's update."""
-        use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda")
-        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+    def _heads(self) -> tuple[TokenLogProbs, TokenLogProbs | None]:
+        def head(m: Any) -> TokenLogProbs:
+            return TokenLogProbs(
+                m, temperature=self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+            )
+
+        return head(self.model), None if self.ref_model is None else head(self.ref_model)
+
+    def _place(self) -> torch.dtype | None:
+        """Shard the models over the ranks (when sharded); the autocast dtype (bf16 on CUDA
+        unless ``actor.dtype`` says otherwise). Sharded, mixed precision is FSDP's instead
+        (bf16 all-gathers and compute, fp32 reduction and master weights): None."""
+        cfg = self.cfg
+        bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        dtype = torch.bfloat16 if bf16 else None
+        if not self.sharded:
+            return dtype
+        offload = cfg.offload and self.device.type != "cpu"
+        pairs: list[tuple[TokenLogProbs, Any]] = [(self.policy, self.model)]
+        if self.ref is not None:
+            pairs.append((self.ref, self.ref_model))
+        for root, m in pairs:
+            fsdp.shard(root, m, self.ranks, self.device, param_dtype=dtype, offload=offload)
+        return None
 
     # -- forward ------------------------------------------------------------------------
 
@@ -135,36 +194,41 @@ class Actor:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _forward(
-        self, model: Any, t: BatchTensors, rows: Tensor, want_entropy: bool
+        self, head: TokenLogProbs, t: BatchTensors, rows: Tensor, want_entropy: bool
     ) -> tuple[Tensor, Tensor | None, int]:
-        """Log-probs (rows × R_mb) of the response tokens of ``rows``, trimmed widths."""
-        plen, rlen = t.prompt_lens[rows], t.response_lens[rows]
-        p_mb, r_mb = int(plen.max()), max(int(rlen.max()), 1)
-        p0 = t.prompt_width - p_mb
-        ids = t.input_ids[rows, p0 : t.prompt_width + r_mb].to(self.device, torch.long)
-        cols = torch.arange(p_mb + r_mb, device=self.device)
-        attn = (cols >= (p_mb - plen.to(self.device)).unsqueeze(1)) & (
-            cols < (p_mb + rlen.to(self.device)).unsqueeze(1)
-        )
-        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        """Log-probs (rows × R_mb) of the response tokens of ``rows``, trimmed widths. No
+        rows: a one-token filler pass (the same collectives as any other micro-batch)."""
+        if len(rows) == 0:
+            ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+            attn, pos, p_mb = torch.ones_like(ids), torch.arange(2, device=self.device)[None], 1
+        else:
+            plen, rlen = t.prompt_lens[rows], t.response_lens[rows]
+            p_mb, r_mb = int(plen.max()), max(int(rlen.max()), 1)
+            p0 = t.prompt_width - p_mb
+            ids = t.input_ids[rows, p0 : t.prompt_width + r_mb].to(self.device, torch.long)
+            cols = torch.arange(p_mb + r_mb, device=self.device)
+            attn = (
+                (cols >= (p_mb - plen.to(self.device)).unsqueeze(1))
+                & (cols < (p_mb + rlen.to(self.device)).unsqueeze(1))
+            ).long()
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
         with self._autocast():
-            out = model(
-                input_ids=ids,
-                attention_mask=attn.long(),
-                position_ids=pos,
-                logits_to_keep=r_mb + 1,
-                use_cache=False,
-            )
-        logits = out.logits[:, :-1].float() / self.temperature
-        targets = ids[:, p_mb:]
-        logp = -F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        ).view(len(rows), r_mb)
-        entropy = None
-        if want_entropy:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits)
-        return logp, entropy, r_mb
+            logp, entropy = head(ids, attn, pos, p_mb, want_entropy)
+        return logp, entropy, ids.shape[1] - p_mb
+
+    # -- the plan -------------------------------------------------------------------------
+
+    def _plans(self, t: BatchTensors, minis: list[list[int]]) -> list[list[Tensor]]:
+        """Per mini-batch, this rank's micro-batches (row tensors; empty: a filler)."""
+        plens, rlens = t.prompt_lens.tolist(), t.response_lens.tolist()
+        out = []
+        for mini in minis:
+            parts = plan(
+                mini, plens, rlens, ranks=self.ranks.world,
+                max_rows=self.cfg.micro_batch_rows, budget=self.cfg.max_tokens_per_micro_batch,
+            )  # fmt: skip
+            out.append([torch.tensor(m, dtype=torch.long) for m in parts[self.ranks.rank]])
+        return out
 
     # -- update -------------------------------------------------------------------------
 
@@ -172,27 +236,23 @@ class Actor:
         w = self.cfg.warmup_steps
         return min(1.0, (self.optimizer_steps + 1) / w) if w > 0 else 1.0
 
-    def _micro_batches(self, t: BatchTensors, rows: list[int]) -> Iterator[Tensor]:
-        """Micro-batches of a mini-batch, rows sorted by length so each one is trimmed to
-        little padding (the mini-batch loss is a sum over rows: order does not change it)."""
-        size = self.cfg.micro_batch_rows
-        total = t.prompt_lens + t.response_lens
-        ordered = sorted(rows, key=lambda i: (int(total[i]), i))
-        for k in range(0, len(ordered), size):
-            yield torch.tensor(ordered[k : k + size], dtype=torch.long)
-
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One rollout step's policy update; returns averaged metrics (``train/*``)."""
+        """One rollout step's policy update; returns averaged metrics (``train/*``), the same
+        (global) values on every rank."""
         t = to_tensors(batch)
         trained = t.loss_mask * (t.row_valid > 0).unsqueeze(-1).to(t.loss_mask.dtype)
         real = [i for i, v in enumerate(batch.row_valid) if v]
-        minis = [m for m in _split(real, self.cfg.mini_batches) if m]
-        pi = self._pi_old(t, minis, trained)
+        plans = self._plans(t, [m for m in _split(real, self.cfg.mini_batches) if m])
+        mine = torch.zeros(len(batch.row_valid), dtype=trained.dtype)
+        for micros in plans:
+            for rows in micros:
+                mine[rows] = 1
+        pi = self._pi_old(t, plans, trained, mine)
         sums: dict[str, float] = {}
         n_steps = skipped = 0
         for _ in range(self.cfg.epochs):
-            for mini in minis:
-                step_metrics = self._mini_batch(t, mini, pi)
+            for micros in plans:
+                step_metrics = self._mini_batch(t, micros, pi)
                 if step_metrics is None:
                     skipped += 1
                     continue
@@ -202,11 +262,14 @@ class Actor:
             pi.pending = False  # every row has been scored once
         out = {f"train/{k}": v / max(n_steps, 1) for k, v in sums.items()}
         if self.algo.old_logprobs == "recompute":
-            c = self._correction(pi.values, t.engine_logprobs, trained)
-            out.update({f"train/{k}": v for k, v in c.metrics.items()})
+            c = self._correction(pi.values, t.engine_logprobs, trained * mine.unsqueeze(-1))
+            keys = sorted(c.sums)
+            total = dict(zip(keys, self.ranks.all_sum([c.sums[k] for k in keys]), strict=True))
+            out.update({f"train/{k}": v for k, v in correction_metrics(total).items()})
         out["train/optimizer_steps"] = float(n_steps)
         out["train/skipped_mini_batches"] = float(skipped)
         out["train/rows"] = float(len(real))
+        out["train/weight_norm"] = self.weight_norm()
         out.update(self._staleness(t, trained))
         self.version += 1
         return out
@@ -217,12 +280,15 @@ class Actor:
             old, engine, mask, a.rollout_correction, a.rollout_correction_threshold
         )
 
-    def _pi_old(self, t: BatchTensors, minis: list[list[int]], trained: Tensor) -> _PiOld:
+    def _pi_old(
+        self, t: BatchTensors, plans: list[list[Tensor]], trained: Tensor, mine: Tensor
+    ) -> _PiOld:
         """Where π_old comes from. ``engine``: the engine's log-probs. ``recompute`` with one
         mini-batch and no masked IS: the first epoch's own forward pass (its detached
         log-probs; nothing else to run, and the ratio is 1 by construction). Otherwise a
         scoring pass before the first step; masked IS then narrows ``t.loss_mask`` (a new
-        tensor: the batch's array is left alone) before any denominator is counted."""
+        tensor: the batch's array is left alone; this rank's rows) before any denominator is
+        counted. ``mine``: 1 on this rank's rows."""
         if self.algo.old_logprobs == "engine":
             if bool((~torch.isfinite(t.engine_logprobs) & (trained > 0)).any()):
                 raise ValueError(
@@ -232,47 +298,62 @@ class Actor:
             return _PiOld(t.engine_logprobs, None, pending=False)
         values = torch.zeros_like(t.engine_logprobs)
         weights = None if self.algo.rollout_correction == "none" else torch.ones_like(values)
-        if len(minis) <= 1 and self.algo.rollout_correction not in MASKED_MODES:
+        if len(plans) <= 1 and self.algo.rollout_correction not in MASKED_MODES:
             return _PiOld(values, weights, pending=True)
-        values = self._score(t, minis)
+        values = self._score(t, plans)
         if weights is None:
             return _PiOld(values, None, pending=False)
-        c = self._correction(values, t.engine_logprobs, trained)
+        c = self._correction(values, t.engine_logprobs, trained * mine.unsqueeze(-1))
         t.loss_mask = c.loss_mask
         return _PiOld(values, c.weights, pending=False)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
-        """B × R log-probs of the batch's response tokens under the current weights."""
+        """B × R log-probs of the batch's response tokens under the current weights (every
+        row, on every rank)."""
         t = to_tensors(batch)
-        return self._score(t, [[i for i, v in enumerate(batch.row_valid) if v]])
+        values = self._score(t, self._plans(t, [[i for i, v in enumerate(batch.row_valid) if v]]))
+        return fsdp.all_sum_(values, self.ranks)
 
-    def _score(self, t: BatchTensors, minis: list[list[int]]) -> Tensor:
+    def _score(self, t: BatchTensors, plans: list[list[Tensor]]) -> Tensor:
         values = torch.zeros_like(t.engine_logprobs)
         with torch.no_grad():
-            for mini in minis:
-                for rows in self._micro_batches(t, mini):
-                    logp, _, r_mb = self._forward(self.model, t, rows, want_entropy=False)
-                    values[rows, :r_mb] = logp.to(values.dtype).cpu()
+            for micros in plans:
+                for rows in micros:
+                    logp, _, r_mb = self._forward(self.policy, t, rows, want_entropy=False)
+                    if len(rows):
+                        values[rows, :r_mb] = logp.to(values.dtype).cpu()
         return values
 
-    def _mini_batch(self, t: BatchTensors, mini: list[int], pi: _PiOld) -> dict[str, float] | None:
-        """One optimizer step over ``mini``; None (no step at all) when it has no loss token."""
-        idx = torch.tensor(mini, dtype=torch.long)
-        norm = LossNorm.of(t.loss_mask[idx], t.row_valid[idx], self.norm_len)
+    def _norm(self, t: BatchTensors, micros: list[Tensor]) -> LossNorm:
+        """The mini-batch's denominators, summed over every rank's share."""
+        idx = torch.cat(micros)
+        mine = LossNorm.of(t.loss_mask[idx], t.row_valid[idx], self.norm_len)
+        n_tokens, n_seqs = self.ranks.all_sum([mine.n_tokens, mine.n_seqs])
+        return LossNorm(n_tokens, n_seqs, float(self.norm_len))
+
+    def _mini_batch(
+        self, t: BatchTensors, micros: list[Tensor], pi: _PiOld
+    ) -> dict[str, float] | None:
+        """One optimizer step over this rank's ``micros`` of a mini-batch; None (no step at
+        all, on every rank) when the mini-batch has no loss token."""
+        norm = self._norm(t, micros)
         if norm.n_tokens == 0:
             return None
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * self._lr_scale()
         self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
-        for rows in self._micro_batches(t, mini):
-            logp, entropy, r_mb = self._forward(self.model, t, rows, want_entropy=True)
+        keys = _SUMS + (("kl_ref",) if self.ref is not None else ())
+        acc = dict.fromkeys(keys, 0.0)
+        for rows in micros:
+            logp, entropy, r_mb = self._forward(self.policy, t, rows, want_entropy=True)
             ref = None
-            if self.ref_model is not None and self.spec.kl_coef > 0:
+            if self.ref is not None:
                 with torch.no_grad():
-                    ref, _, _ = self._forward(self.ref_model, t, rows, want_entropy=False)
+                    ref, _, _ = self._forward(self.ref, t, rows, want_entropy=False)
+            if len(rows) == 0:  # a filler: zero loss, zero gradient, every collective
+                logp.masked_fill(torch.ones_like(logp, dtype=torch.bool), 0.0).sum().backward()
+                continue
             mask = t.loss_mask[rows, :r_mb].to(self.device)
-            valid = t.row_valid[rows].to(self.device)
             if pi.pending:
                 pi.score(rows, r_mb, logp, t, self._correction)
             out = ppo_clip_loss(
@@ -280,52 +361,34 @@ class Actor:
                 pi.values[rows, :r_mb].to(self.device),
                 t.advantages[rows].to(self.device),
                 mask,
-                valid,
+                t.row_valid[rows].to(self.device),
                 norm,
                 self.spec,
                 ref_logprobs=ref,
                 weights=None if pi.weights is None else pi.weights[rows, :r_mb].to(self.device),
             )
-            if out.loss.requires_grad:
-                out.loss.backward()
+            out.loss.backward()
             acc["loss"] += float(out.loss.detach())
             for k, v in out.metrics.items():
-                if k != "pg_loss":
-                    acc[k] = acc.get(k, 0.0) + float(v)
+                if k in acc and k != "loss":
+                    acc[k] += float(v)
             if entropy is not None:
                 acc["entropy"] += float((entropy * (mask > 0)).sum())
+        total = dict(zip(keys, self.ranks.all_sum([acc[k] for k in keys]), strict=True))
         grad_norm = self._optimizer_step()
-        n_tok = max(norm.n_tokens, 1.0)
         metrics = {
-            "loss": acc["loss"],
+            "loss": total.pop("loss"),
             "grad_norm": grad_norm,
             "lr": self.optimizer.param_groups[0]["lr"],
             "loss_tokens": norm.n_tokens,
         }
-        for k in (
-            "clip_frac",
-            "clip_frac_dual",
-            "ratio",
-            "approx_kl",
-            "kl_ref",
-            "entropy",
-        ):
-            if k in acc:
-                metrics[k] = acc[k] / n_tok
+        metrics.update({k: v / max(norm.n_tokens, 1.0) for k, v in total.items()})
         return metrics
 
     def _optimizer_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in params if p.grad is not None])
-            )
-        grad_norm = float(norm)
-        if math.isfinite(grad_norm):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = fsdp.clip_grads(params, self.cfg.grad_clip, self.ranks)
+        if math.isfinite(grad_norm):  # global: every rank steps, or none
             self.optimizer.step()
             self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -333,7 +396,8 @@ class Actor:
 
     def _staleness(self, t: BatchTensors, trained: Tensor) -> dict[str, float]:
         """How old the sampled tokens of the batch's rows are (those a masked correction
-        rejected included): current version minus the sampling version."""
+        rejected included): current version minus the sampling version. Every rank holds
+        the whole batch, so these are global as they are."""
         m = (trained > 0) & (t.versions >= 0)
         if not bool(m.any()):
             return {"train/version_lag_mean": 0.0, "train/version_lag_max": 0.0}
@@ -345,20 +409,52 @@ class Actor:
 
     # -- weights and state --------------------------------------------------------------
 
+    def weight_norm(self) -> float:
+        """L2 norm of every parameter (over all shards)."""
+        return fsdp.global_norm(self.model.parameters(), self.ranks)
+
+    def full_params(
+        self, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The model's weights as (name, full tensor), one at a time, cast to ``dtype``
+        (shard first, then gathered: never a whole fp32 copy of the model). Sharded: a
+        collective, every rank iterates to the end."""
+        if not self.sharded:
+            for k, v in self.model.state_dict().items():
+                v = v.detach()
+                yield k, v.to(dtype=dtype if v.is_floating_point() else None, device=device)
+            return
+        yield from fsdp.full_tensors(self.model, dtype=dtype, device=device)
+
     def engine_state_dict(self) -> dict[str, Tensor]:
-        """Detached weights for the inference engine."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """Detached weights for the inference engine (sharded: every full tensor at once;
+        prefer :meth:`full_params`)."""
+        if not self.sharded:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return dict(self.full_params())
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_steps": self.optimizer_steps,
-            "version": self.version,
-        }
+        """The full state (model, optimizer keyed by parameter name, counters) on the CPU:
+        the same files for any number of ranks. Sharded: a collective; rank 0 gets the
+        tensors, the others empty model and optimizer entries. Tensors already on the CPU
+        are the live ones (as ``Module.state_dict``): save them before the next update."""
+        state = actor_state.full_state(self.model, self.optimizer, sharded=self.sharded)
+        return state | {"optimizer_steps": self.optimizer_steps, "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load :meth:`state_dict`'s output (every rank passes the whole of it)."""
+        actor_state.load_full_state(self.model, self.optimizer, state, sharded=self.sharded)
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.version = int(state["version"])
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The sharded state for ``torch.distributed.checkpoint`` (``dcp.save(state)``, or
+        ``dcp.load(state)`` then :meth:`load_dcp_state`): this rank's DTensor shards of the
+        model and optimizer, keyed by parameter name, so DCP reshards N → M ranks."""
+        state = actor_state.sharded_state(self.model, self.optimizer)
+        return state | {"optimizer_steps": self.optimizer_steps, "version": self.version}
+
+    def load_dcp_state(self, state: dict[str, Any]) -> None:
+        actor_state.load_sharded_state(self.model, self.optimizer, state)
         self.optimizer_steps = int(state["optimizer_steps"])
         self.version = int(state["version"])

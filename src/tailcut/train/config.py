@@ -42,8 +42,9 @@ class DataConfig(_Model):
     """arith: P(k steps) ∝ k**-alpha (the long tail a step cuts)."""
     val_seed: int = Field(1_000_003, ge=0)
     """arith: seed of the validation problems (disjoint from training)."""
-    tools: list[Literal["calculator", "calc_gsm8k_reward"]] = ["calculator"]
-    """Built-in tools the agent may call (ignored when ``tool_config`` is set)."""
+    tools: list[Literal["calculator", "calc_gsm8k_reward", "code_interpreter"]] = ["calculator"]
+    """Built-in tools the agent may call (ignored when ``tool_config`` is set);
+    code_interpreter runs in the local sandbox (Sandbox Fusion: a ``tool_config``)."""
     tool_config: str | None = None
     """A verl tool-config YAML file (``tools: [{class_name, config, tool_schema}]``)."""
     reward: Literal["answer", "tool"] = "answer"
@@ -54,6 +55,12 @@ class DataConfig(_Model):
     reward_fn: Literal["arith", "gsm8k", "gsm8k_flexible", "math", "dapo"] | None = None
     """reward=answer: this registry function for every row, whatever its data_source
     (None: resolved by data_source; an unknown data_source fails the sample, naming it)."""
+    overlong_buffer: int = Field(0, ge=0, le=1_048_576)
+    """DAPO's overlong penalty: a response longer than ``agent.max_response_tokens`` minus
+    this many tokens loses ``overlong_penalty`` × (tokens past that) / buffer, at most
+    ``overlong_penalty`` (``reward/overlong.py``; 0 = off)."""
+    overlong_penalty: float = Field(1.0, ge=0.0, le=100.0)
+    """Largest overlong penalty (reached at ``agent.max_response_tokens``)."""
 
 
 class AlgoConfig(_Model):
@@ -110,6 +117,19 @@ class ActorConfig(_Model):
     """Passes over the batch per rollout step."""
     micro_batch_rows: int = Field(16, ge=1, le=65_536)
     """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=1 << 30)
+    """Pack micro-batches by tokens instead of rows: rows sorted by length, as many per
+    micro-batch as keep rows × padded width (longest prompt + longest response) within this;
+    a row longer than it goes alone. None: ``micro_batch_rows`` rows each."""
+    logprob_chunk_tokens: int | None = Field(1024, ge=1, le=1 << 30)
+    """Token positions per chunk of the LM head and log-softmax (recomputed in the backward),
+    so a micro-batch's full fp32 logits never exist at once. None: one piece."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (less memory, ~1/3 more
+    compute)."""
+    offload: bool = False
+    """Sharded runs on CUDA: keep the parameter, gradient and optimizer shards on the CPU
+    (FSDP2 ``CPUOffloadPolicy``; the optimizer step runs there)."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -172,6 +192,13 @@ class TrainerConfig(_Model):
     """A step in which more than this share of the ended samples FAILED (engine errors,
     prompts that do not fit, unknown data sources) stops the run with the grouped reasons
     (1.0: never). Cut, filtered and zero-variance samples are not failures."""
+    nproc_per_node: int = Field(1, ge=1, le=1024)
+    """Ranks on this machine: ``tailcut train`` starts them with torchrun (one per GPU on
+    CUDA, N processes on CPU); under ``torchrun`` itself the job's ranks come from its
+    environment. Each rank has its own embedded engine and a shard of the actor."""
+    dist_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """How long a rank waits in a collective (joining, a step's merge, a gradient) before
+    the job stops naming the rank: a dead or hung rank cannot hang the others."""
 
     @model_validator(mode="after")
     def _resume_value(self) -> TrainerConfig:
@@ -254,12 +281,25 @@ class TrainConfig(_Model):
                 "cutoff.scope: 'worker' gives each rollout worker its own target; training "
                 "cuts a step with one policy over all workers, so use cutoff.scope=global"
             )
+        if self.trainer.nproc_per_node > 1 and (
+            self.engine.kind != "hf" or self.rollout.workers > 1 or self.rollout.backend != "local"
+        ):
+            raise ValueError(
+                "trainer.nproc_per_node: several ranks run one embedded engine each "
+                "(engine.kind=hf, rollout.workers=1, rollout.backend=local); remote servers "
+                "and Ray workers serve one trainer rank"
+            )
         if self.rollout.workers > self.data.batch_size:
             raise ValueError(
                 f"rollout.workers: {self.rollout.workers} workers for data.batch_size="
                 f"{self.data.batch_size} prompts (each worker needs a whole group at least)"
             )
         self._check_logprobs()
+        if self.data.overlong_buffer >= self.agent.max_response_tokens:
+            raise ValueError(
+                f"data.overlong_buffer: {self.data.overlong_buffer} tokens leave no length "
+                f"unpenalized under agent.max_response_tokens={self.agent.max_response_tokens}"
+            )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.train_path: data.task=parquet needs a training file")
         return self

@@ -1,8 +1,10 @@
-"""Metric sinks: JSONL (always), console, TensorBoard and W&B (optional).
+"""Metric sinks: JSONL (always), console, TensorBoard and W&B (optional,
+:mod:`tailcut.train.wandb_sink`).
 
 Every sink takes ``log(step, metrics)`` with flat ``{"area/name": float}`` dicts and
 ``close()``. A sink whose package is missing is skipped with one warning line; a run never
-fails because a dashboard is not installed.
+fails because a dashboard is not installed (W&B that is installed but cannot start a run
+stops the run before its first step, saying why).
 """
 
 from __future__ import annotations
@@ -124,21 +126,6 @@ class TensorBoardSink:
         self._writer.close()
 
 
-class WandbSink:
-    def __init__(self, project: str, run_dir: Path, config: Mapping[str, Any]) -> None:
-        import wandb
-
-        self._run = wandb.init(
-            project=project, dir=str(run_dir), config=dict(config), resume="allow"
-        )
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._run.log(dict(metrics), step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
 class Loggers:
     """Fan-out to every configured sink."""
 
@@ -177,7 +164,12 @@ def make_loggers(
             elif name == "tensorboard":
                 sinks.append(TensorBoardSink(run_dir / "tensorboard"))
             elif name == "wandb":
+                from tailcut.train.wandb_sink import WandbSink
+
                 sinks.append(WandbSink(wandb_project, run_dir, config))
         except ImportError as exc:
             console.print(f"[yellow]logger {name!r} skipped: {exc}[/yellow]")
+        except BaseException:  # a sink that cannot start stops the run: close the others
+            Loggers(sinks).close()
+            raise
     return Loggers(sinks)

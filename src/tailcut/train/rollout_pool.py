@@ -21,6 +21,7 @@ from tailcut.engine.base import Engine
 from tailcut.rollout.step import RolloutFn, StepOptions
 from tailcut.rollout.workers import LocalWorkers, SharedRecipe, WorkerRecipe, Workers
 from tailcut.train.config import TrainConfig
+from tailcut.train.distributed import Ranks
 
 
 async def make_workers(
@@ -29,12 +30,21 @@ async def make_workers(
     rollout: RolloutFn,
     recipe: WorkerRecipe | None,
     run_dir: Path,
+    ranks: Ranks | None = None,
 ) -> Workers:
     """Started workers for ``cfg.rollout``; the caller closes them (``aclose``). ``recipe``
-    (Ray only) builds each worker's engine client and rollout fn in its actor."""
+    (Ray only) builds each worker's engine client and rollout fn in its actor. In a job of
+    several ranks, one worker per rank on the rank's own engine, cut globally
+    (``train/rank_workers.py``)."""
     r = cfg.rollout
     trace_dir = run_dir / "traces" if cfg.trainer.trace else None
     options = StepOptions(cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause)
+    if ranks is not None and ranks.distributed:
+        from tailcut.train.rank_workers import RankWorkers
+
+        return RankWorkers(
+            cfg.cutoff, SharedRecipe(engine, rollout), ranks, trace_dir, options=options
+        )
     if r.backend == "local":
         shared = SharedRecipe(engine, rollout)
         return LocalWorkers(cfg.cutoff, shared, r.workers, trace_dir, options=options)

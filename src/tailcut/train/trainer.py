@@ -55,7 +55,8 @@ from tailcut.trace.events import Tracer
 from tailcut.train import checkpoint as ckpt
 from tailcut.train.actor import Actor
 from tailcut.train.config import TrainConfig
-from tailcut.train.loggers import make_loggers, truncate_jsonl
+from tailcut.train.distributed import Ranks
+from tailcut.train.loggers import Loggers, make_loggers, truncate_jsonl
 from tailcut.train.prompts import PromptStream
 from tailcut.train.rollout_pool import make_workers
 from tailcut.train.run_dir import check_run_dir, claim_run_dir
@@ -80,6 +81,9 @@ class TrainSetup:
     recipe: WorkerRecipe | None = None
     """``rollout.backend=ray``: builds each worker's engine client and rollout fn
     inside its actor (picklable). Local workers all drive ``engine`` with ``rollout``."""
+    ranks: Ranks = field(default_factory=Ranks.single)
+    """This process's place in a job of several ranks (``train/distributed.py``): its
+    ``engine`` is its own, colocated one; the actor is sharded over the ranks."""
 
 
 @dataclass
@@ -111,6 +115,7 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.setup = setup
+        self.ranks = setup.ranks
         self.actor = setup.actor
         self.console = console or Console()
         self.fault = fault or (lambda step, phase: None)
@@ -136,18 +141,25 @@ class Trainer:
     async def run(self, progress: Callable[[int, int], None] | None = None) -> TrainSummary:
         started = time.monotonic()
         t = self.cfg.trainer
-        plan = check_run_dir(self.cfg)  # refused before anything is read or written
+        main = self.ranks.is_main  # rank 0 alone writes the run dir's files
+        plan = check_run_dir(self.cfg) if main else None  # refused before anything is written
+        self.ranks.barrier()
         resumed = self._restore()
-        claim_run_dir(plan, self.cfg, self._warn)
-        loggers = make_loggers(
-            t.loggers, self.run_dir, console=self.console, config=self.cfg.model_dump(mode="json"),
-            wandb_project=t.wandb_project, append=resumed is not None,
-        )  # fmt: skip
+        if plan is not None:
+            claim_run_dir(plan, self.cfg, self._warn)
+        loggers = Loggers([])
+        if main:
+            loggers = make_loggers(
+                t.loggers, self.run_dir, console=self.console,
+                config=self.cfg.model_dump(mode="json"), wandb_project=t.wandb_project,
+                append=resumed is not None,
+            )  # fmt: skip
         checkpoint_s: float | None = None
         try:
             self.workers = await make_workers(
-                self.cfg, self.setup.engine, self.setup.rollout, self.setup.recipe, self.run_dir
-            )
+                self.cfg, self.setup.engine, self.setup.rollout, self.setup.recipe, self.run_dir,
+                self.ranks,
+            )  # fmt: skip
             await self._sync_weights()
             if resumed is None and self._val_enabled():
                 loggers.log(0, await self._validate(0))
@@ -158,6 +170,7 @@ class Trainer:
                 self.train_s += metrics["timing/step_s"]
                 metrics["timing/train_total_s"] = self.train_s
                 last = k == t.steps or (t.max_train_s is not None and self.train_s >= t.max_train_s)
+                last = self.ranks.broadcast(last)  # rank 0's clock decides for every rank
                 if self._val_enabled() and (last or (t.val_every and k % t.val_every == 0)):
                     metrics.update(await self._validate(k))
                 if checkpoint_s is not None:  # the checkpoint written after the step before
@@ -275,7 +288,7 @@ class Trainer:
         """The step over every worker, cut by ``policy`` (never cut on an audit step)."""
         run_policy = WaitAll(len(samples), self.cfg.algo.group_size) if audit else policy
         assert self.workers is not None, "run() starts the rollout workers"
-        plan = plan_for_policy(run_policy, [s.group for s in samples], self.cfg.rollout.workers)
+        plan = plan_for_policy(run_policy, [s.group for s in samples], self.workers.n_workers)
         result = await self.workers.run_step(step, plan, samples)
         if not audit:  # the policy that ran (a Ray worker's copy comes back into the plan)
             self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
@@ -314,15 +327,21 @@ class Trainer:
         }
 
     def _save(self, step: int) -> float:
+        """The checkpoint of ``step``. With several ranks the actor's full state is gathered
+        (every rank takes part) and rank 0 writes it: the same files as one rank, so a run
+        resumes on any number of ranks."""
         t0 = time.monotonic()
-        ckpt.save_checkpoint(
-            self.run_dir,
-            step,
-            self.actor.state_dict(),
-            self._state(),
-            keep=self.cfg.trainer.keep_checkpoints,
-            before_rename=lambda: self.fault(step, "checkpoint"),
-        )
+        actor_state = self.actor.state_dict()
+        if self.ranks.is_main:
+            ckpt.save_checkpoint(
+                self.run_dir,
+                step,
+                actor_state,
+                self._state(),
+                keep=self.cfg.trainer.keep_checkpoints,
+                before_rename=lambda: self.fault(step, "checkpoint"),
+            )
+        self.ranks.barrier()
         return time.monotonic() - t0
 
     def _restore(self) -> int | None:
@@ -349,7 +368,8 @@ class Trainer:
         self.buffer.load_state_dict(state["partial"])
         self.train_s = float(state.get("train_s", 0.0))
         ckpt.set_rng_state(state["rng"])
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+        if self.ranks.is_main:
+            truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
         self.console.print(f"[green]resumed from {path} (step {self.step})[/green]")
         return self.step
 

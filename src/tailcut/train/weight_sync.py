@@ -3,7 +3,9 @@ actor's version, so every token sampled afterwards carries the version that prod
 
 How depends on what the engine offers:
 
-* in process (the embedded HF engine): ``engine.update_weights(state_dict, version)``;
+* in process (the embedded HF engine): ``engine.update_weights(state_dict, version)``; from
+  an actor sharded over ranks, the full tensors gathered a few at a time (every rank's
+  colocated engine gets them all; the whole fp32 model never exists at once);
 * through disk (SGLang / vLLM servers): the policy is saved as a Hugging Face directory
   and every server loads it::
 
@@ -55,6 +57,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+CHUNK_TENSORS = 16
+"""A sharded actor's weights reach an in-process engine this many gathered tensors at a time."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,7 +100,17 @@ class WeightSync:
             return await self._through_disk(engine, actor)
         if isinstance(engine, LoadsInProcess):
             t0 = time.monotonic()
-            await engine.update_weights(actor.engine_state_dict(), version)
+            if actor.sharded:  # gathered a few tensors at a time, never the whole model
+                chunk: dict[str, Any] = {}
+                for name, tensor in actor.full_params():
+                    chunk[name] = tensor
+                    if len(chunk) >= CHUNK_TENSORS:
+                        await engine.update_weights(chunk, version)
+                        chunk = {}
+                if chunk:
+                    await engine.update_weights(chunk, version)
+            else:
+                await engine.update_weights(actor.engine_state_dict(), version)
             return {"sync/load_s": time.monotonic() - t0, "sync/version": float(version)}
         return {}
 

@@ -193,3 +193,37 @@ def arith(
     steps = Counter(len(p.steps) for p in problems)
     shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
     console.print(f"steps per problem (train): {shares}", highlight=False)
+
+
+@data_app.command("dapo-synth")
+def dapo_synth(
+    out: Annotated[
+        Path, typer.Option(help="Folder for train.parquet, test.parquet and tools.yaml.")
+    ] = Path("data/dapo-synth"),
+    n: Annotated[int, typer.Option(min=1, max=10_000_000, help="Training rows.")] = 4000,
+    n_test: Annotated[int, typer.Option(min=1, max=1_000_000, help="Test rows.")] = 200,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the problem generator.")] = 0,
+    max_steps: Annotated[
+        int, typer.Option(min=1, max=8, help="Most lines (code calls) of a problem.")
+    ] = 6,
+) -> None:
+    """Write DAPO-layout math problems (DAPO-Math-17k's columns, data_source math_dapo)
+    whose answers short Python programs compute, for the code_interpreter tool."""
+    from rich.console import Console
+
+    from tailcut.data import dapo_synth as ds
+    from tailcut.data.verl import DataError
+
+    task = ds.TaskConfig(max_steps=max_steps)
+    try:
+        counts = ds.write_dataset(out, n, n_test, seed, task)
+    except DataError as exc:
+        raise _fail(str(exc)) from None
+    console = Console()
+    for split, rows in counts.items():
+        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
+    console.print(f"wrote {out / 'tools.yaml'} (tool: {ds.TOOL_NAME}, local sandbox)")
+    problems = ds.generate_problems(ds.split_seed(seed, "train"), n, task)
+    steps = Counter(len(p.steps) for p in problems)
+    shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
+    console.print(f"code calls per problem (train): {shares}", highlight=False)

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 
 model_app = typer.Typer(
     name="model",
-    help="Build and locate the built-in tiny model.",
+    help="Build and locate the built-in tiny models (default: calculator; code: code interpreter).",
     no_args_is_help=True,
 )
+VARIANT_NAMES = ("arith", "code")
+"""``--variant`` choices: the keys of ``models/build.VARIANTS``."""
 
 
 def _progress_bar() -> tuple[Any, Progress]:
@@ -42,9 +44,9 @@ def _summary(result: BuildResult) -> Any:
     from rich.table import Table
 
     info = result.info
-    table = Table(
-        title="built-in model" + (" (cached)" if result.cached else ""), show_header=False
-    )
+    variant = info["recipe"].get("variant", "arith")
+    title = "built-in model" + ("" if variant == "arith" else f" ({variant} variant)")
+    table = Table(title=title + (" (cached)" if result.cached else ""), show_header=False)
     table.add_row("path", str(result.path))
     table.add_row("hash", result.hash)
     table.add_row("parameters", f"{info['parameters']:,}")
@@ -59,7 +61,13 @@ def _summary(result: BuildResult) -> Any:
     )
     for row in info["accuracy_any_format_by_steps"]:
         table.add_row(f"  {row['steps']} step(s)", f"{row['accuracy']:.1%} (n={row['n']})")
-    table.add_row("  in the #### format", f"{info['accuracy']:.1%} (what the reward accepts)")
+    fmt = "Answer: N" if variant == "code" else "####"
+    table.add_row(f"  in the {fmt} format", f"{info['accuracy']:.1%} (what the reward accepts)")
+    if "tool_calls_run_share" in info:
+        table.add_row(
+            "tool calls of the task's form",
+            f"{info['tool_calls_run_share']:.1%} of {info['tool_calls']:,} greedy calls",
+        )
     return table
 
 
@@ -70,22 +78,34 @@ def init(
     ] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if a matching build exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the build info as JSON.")] = False,
+    variant: Annotated[
+        str,
+        typer.Option(
+            help="arith: SFT on calculator calls (model spec 'builtin'); code: on "
+            "code_interpreter calls for DAPO-layout problems ('builtin-code')."
+        ),
+    ] = "arith",
 ) -> None:
-    """Build the built-in model (tokenizer, SFT on the arithmetic task) deterministically;
-    a damaged build is rebuilt."""
+    """Build a built-in model (tokenizer, SFT on its task) deterministically; a damaged
+    build is rebuilt."""
     from rich.console import Console
 
-    from tailcut.models.build import ModelRecipe, default_model_dir, ensure_built, recipe_hash
+    from tailcut.models.build import VARIANTS, default_model_dir, ensure_built, recipe_hash
     from tailcut.models.resolve import verify_build
 
+    if variant not in VARIANT_NAMES:
+        raise typer.BadParameter(
+            f"{variant!r} is not one of {', '.join(VARIANT_NAMES)}", param_hint="--variant"
+        )
+    recipe = VARIANTS[variant]
     console = Console(stderr=as_json)
-    target = out or default_model_dir()
-    problem = verify_build(target, recipe_hash(ModelRecipe())) if target.exists() else None
+    target = out or default_model_dir(recipe)
+    problem = verify_build(target, recipe_hash(recipe)) if target.exists() else None
     if problem is not None and not force:
         console.print(f"[yellow]{target}: {problem}; rebuilding[/yellow]", highlight=False)
     bar, update = _progress_bar()
     with bar:
-        result = ensure_built(out=out, force=force, progress=update)
+        result = ensure_built(recipe, out=out, force=force, progress=update)
     if as_json:
         typer.echo(json.dumps({"path": str(result.path), "cached": result.cached, **result.info}))
         return
@@ -94,7 +114,9 @@ def init(
 
 @model_app.command("path")
 def path(
-    spec: Annotated[str, typer.Argument(help="'builtin' or a model directory.")] = BUILTIN,
+    spec: Annotated[
+        str, typer.Argument(help="'builtin', 'builtin-code' or a model directory.")
+    ] = BUILTIN,
 ) -> None:
     """Print the model directory (building the built-in model if it is missing); a damaged
     one is an error (exit 1)."""

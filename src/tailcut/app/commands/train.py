@@ -5,8 +5,8 @@ exits 2 before the model is loaded. SIGINT and SIGTERM cancel the run (its ``fin
 blocks close the metrics file, workers and engine) and exit 130 / 143 with one line; the
 same command continues from the last checkpoint.
 
-``TAILCUT_FAULT=STEP:PHASE:SIGNAL`` (crash tests only) makes the run send itself SIGNAL
-(INT, TERM or KILL) at PHASE of STEP, a phase of ``Trainer``'s fault hook: ``rollout``,
+``TAILCUT_FAULT=STEP:PHASE:SIGNAL`` (crash tests only; ``TAILCUT_FAULT_RANK=R``: in rank R
+of a job only) makes the run send itself SIGNAL (INT, TERM or KILL) at PHASE of STEP, a phase of ``Trainer``'s fault hook: ``rollout``,
 ``update``, ``sync``, ``logged`` (the step's metrics row written), ``checkpoint`` (its
 files written, not yet renamed into place), ``saved``.
 """
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from tailcut.train.config import TrainConfig
+    from tailcut.train.distributed import Ranks
     from tailcut.train.trainer import FaultHook, TrainSummary
 
 T = TypeVar("T")
@@ -65,10 +66,31 @@ def train(
         items.insert(0, str(config))  # `tailcut train key=value` without a file
         config = None
     cfg = load_train_config(config, items)
-    check_run_dir(cfg)  # before the model is built or loaded (the trainer checks again)
-    fault = fault_from_env()
-    summary = run_until_signal(lambda: _run(cfg, console, fault))
+    n = cfg.trainer.nproc_per_node
+    if n > 1 and "RANK" not in os.environ:  # start the ranks; each comes back here
+        raise typer.Exit(launch_ranks(n, ["train", *([str(config)] if config else []), *items]))
+    from tailcut.train.distributed import close, from_env
+
+    ranks = from_env(cfg.trainer.dist_timeout_s)
+    try:
+        if ranks.is_main:
+            check_run_dir(cfg)  # before the model is built or loaded (the trainer checks again)
+        else:
+            console = Console(quiet=True)
+        fault = fault_from_env()
+        summary = run_until_signal(lambda: _run(cfg, console, fault, ranks))
+    finally:
+        close(ranks)
     _print_summary(console, summary)
+
+
+def launch_ranks(n: int, args: list[str]) -> int:
+    """Run ``tailcut ARGS`` as ``n`` ranks on this machine under torchrun; its exit code."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    return subprocess.call([*cmd, f"--nproc-per-node={n}", "-m", "tailcut", *args])
 
 
 def run_until_signal(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -106,7 +128,8 @@ def fault_from_env() -> FaultHook | None:
     from tailcut.config import ConfigError
 
     spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
+    only = os.environ.get(FAULT_ENV + "_RANK")  # a job of several ranks: this rank only
+    if not spec or (only is not None and only != os.environ.get("RANK", "0")):
         return None
     try:
         step, phase, name = spec.split(":")
@@ -123,7 +146,9 @@ def fault_from_env() -> FaultHook | None:
     return fault
 
 
-async def _run(cfg: TrainConfig, console: Console, fault: FaultHook | None) -> TrainSummary:
+async def _run(
+    cfg: TrainConfig, console: Console, fault: FaultHook | None, ranks: Ranks | None = None
+) -> TrainSummary:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tailcut.app.train_setup import build_setup
@@ -131,7 +156,7 @@ async def _run(cfg: TrainConfig, console: Console, fault: FaultHook | None) -> T
     from tailcut.train.trainer import Trainer
 
     console.print(f"[bold]tailcut train[/bold] → {cfg.trainer.run_dir}")
-    setup = build_setup(cfg)
+    setup = build_setup(cfg, ranks)
     trainer = Trainer(cfg, setup, console=console, fault=fault)
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
@@ -141,7 +166,8 @@ async def _run(cfg: TrainConfig, console: Console, fault: FaultHook | None) -> T
     finally:
         if setup.close is not None:
             await setup.close()
-    plot_run(summary.run_dir)
+    if ranks is None or ranks.is_main:
+        plot_run(summary.run_dir)
     return summary
 
 

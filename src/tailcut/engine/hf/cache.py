@@ -14,7 +14,8 @@ last row's keys/values move into its slot (one indexed copy for all the rows tha
 at one step boundary), so a decode step reads
 ``buf[..., :rows, :, :width]`` as a view — no gather, no re-padding when requests come and
 go. Each row has its own ``end`` (tokens cached) and its own RoPE positions; a per-row
-attention mask hides the columns a row does not own.
+attention mask hides the columns a row does not own, and a layer's sliding window
+(``hf/attention.py``: :class:`~tailcut.engine.hf.attention.SlotMasks`).
 
 The model sees this object as its ``cache``: its attention layers call
 :meth:`SlotKVCache.update` with the new keys/values of the current forward pass. Two kinds
@@ -54,17 +55,12 @@ class KVShape:
 
 
 def kv_shape_for(model: Any, slots: int, max_seq_len: int) -> KVShape:
-    """The cache geometry of a Hugging Face causal LM (Qwen2 / Llama style configs)."""
+    """The cache geometry of a Hugging Face causal LM: every layer caches all of its columns
+    (a sliding-window layer too; its window is applied by the mask, ``hf/attention.py``)."""
     cfg = model.config.get_text_config()
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"model {cfg.model_type!r} has non-full attention layers ({sorted(set(layer_types))}); "
-            "the embedded engine supports full attention only"
-        )
     limit = int(getattr(cfg, "max_position_embeddings", max_seq_len) or max_seq_len)
     param = next(model.parameters())
     return KVShape(
@@ -178,24 +174,3 @@ class SlotKVCache:
             return
         index = torch.tensor(moves, dtype=torch.long).T.to(self.shape.device, non_blocking=True)
         self.buf[:, :, index[1], :, :length] = self.buf[:, :, index[0], :, :length]
-
-
-def decode_mask(ends: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[rows, 1, 1, width]``: row r sees columns ``0..ends[r]`` (its own)."""
-    cols = torch.arange(width, device=ends.device)
-    visible = cols[None, :] <= ends[:, None]
-    return _additive(visible, dtype)[:, None, None, :]
-
-
-def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[rows, 1, width, width]``: causal, and keys only within each prompt."""
-    idx = torch.arange(width, device=lengths.device)
-    causal = idx[None, :] <= idx[:, None]
-    visible = causal[None, :, :] & (idx[None, None, :] < lengths[:, None, None])
-    return _additive(visible, dtype)[:, None, :, :]
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, neg)

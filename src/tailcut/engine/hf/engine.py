@@ -26,6 +26,11 @@ KV cache (``hf/cache.py``), driven by one worker thread (``hf/worker.py``).
   CUDA graph per bucket of rows x key columns (``hf/graphs.py``, ``cuda_graphs``). When
   more requests wait than slots are free, refills are batched (``admit_min_rows``,
   ``admit_max_wait``) so that prefill passes, which run eagerly, stay few.
+* Any causal LM whose attention goes through transformers' attention interface, over full
+  or sliding-window layers (``hf/support.py`` says which; others are refused with the reason
+  and the alternative engines): one attention function of the engine's own runs every
+  family's layers over the slot cache (``hf/attention.py``: masks, windows, soft-capping,
+  grouped-query heads), inside each family's own modeling code.
 * ``update_weights(state_dict, version)`` copies weights in place between two forward
   passes. Requests already running continue on the new weights; each result carries the
   weight version that sampled its first token.
@@ -43,6 +48,7 @@ from tailcut.config import EngineConfig, HFEngineConfig
 from tailcut.engine.base import BaseEngine, EngineError, EngineStats
 from tailcut.engine.hf.load import eos_token_ids, load_causal_lm
 from tailcut.engine.hf.records import Counters, Live, load_weights
+from tailcut.engine.hf.support import check_model
 from tailcut.engine.hf.worker import SlotWorker
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult
 
@@ -61,6 +67,7 @@ class HFEngine(BaseEngine):
         eos_ids: Sequence[int] | None = None,
     ) -> None:
         cfg = config or HFEngineConfig()
+        check_model(model)
         self.model = model.eval()
         self.config = cfg
         self.eos_ids = frozenset(eos_token_ids(model) if eos_ids is None else eos_ids)

@@ -32,12 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tailcut.engine.hf.cache import SlotKVCache, decode_mask
+from tailcut.engine.hf.attention import SlotMasks
+from tailcut.engine.hf.cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``forward(ids [rows, cols], positions [rows, cols], mask) -> last logits [rows, vocab]``."""
+Forward = Callable[[torch.Tensor, torch.Tensor, SlotMasks], torch.Tensor]
+"""``forward(ids [rows, cols], positions [rows, cols], masks) -> last logits [rows, vocab]``."""
 
 MIN_WIDTH = 64
 
@@ -176,8 +177,8 @@ class DecodeStep:
         inputs = self._stage.longs[:rows]
         ends = inputs[:, 0]
         self._cache.begin_decode(ends, cols)
-        mask = decode_mask(ends, cols, self._cache.shape.dtype)
-        return self._forward(inputs[:, 1:], inputs[:, :1], mask)
+        masks = SlotMasks.decode(ends, cols, self._cache.shape.dtype)
+        return self._forward(inputs[:, 1:], inputs[:, :1], masks)
 
     def _capture(self, rows: int, cols: int) -> None:
         """Capture the pass for ``(rows, cols)`` on a side stream, after one eager warm-up

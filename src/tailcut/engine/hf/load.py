@@ -1,5 +1,6 @@
-"""Loading a causal LM for the embedded engine: a model directory or a
-randomly initialised Qwen2 of a named size (benchmarks; nothing is downloaded)."""
+"""Loading a causal LM for the embedded engine: a model directory (any family the engine
+runs, ``hf/support.py``; loaded straight onto the engine's attention, ``hf/attention.py``)
+or a randomly initialised Qwen2 of a named size (benchmarks; nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -88,9 +89,15 @@ def load_causal_lm(model: str, *, device: str = "auto", dtype: str = "auto") -> 
         return random_qwen2(model, device=device, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
+    from tailcut.engine.hf import attention
+    from tailcut.engine.hf.support import check_model_dir
+
     dev = resolve_device(device)
+    path = resolve_model_dir(model)
+    check_model_dir(path)  # refused from its config.json, before any weight is read
+    attention.register()
     loaded: Any = AutoModelForCausalLM.from_pretrained(
-        resolve_model_dir(model), dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa"
+        path, dtype=resolve_dtype(dtype, dev), attn_implementation=attention.NAME
     )
     return loaded.to(dev).eval()
 

@@ -6,6 +6,9 @@ model runs (a CUDA graph replay for decode passes where possible), the whole bat
 sampled on the device, and the sampled tokens and their log-probs come back in **one**
 copy — the pass's only wait on the device. Stop ids and budgets are then checked on the
 host (a set lookup per row), since the tokens must reach the host anyway.
+
+Attention runs through the engine's one attention function (``hf/attention.py``), to
+which the runner switches the model for its lifetime; each pass hands it that pass's masks.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tailcut.engine.hf.cache import SlotKVCache, prefill_mask
+from tailcut.engine.hf import attention
+from tailcut.engine.hf.attention import SlotMasks
+from tailcut.engine.hf.cache import SlotKVCache
 from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
 from tailcut.engine.hf.records import Live
 from tailcut.engine.hf.sampling import LogprobMode, sample_tokens
+from tailcut.engine.hf.support import UnsupportedModel, describe
+
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest relative logit error of the load-time probe per dtype (half precision: 5e-2)."""
 
 
 class PassRunner:
@@ -44,24 +53,81 @@ class PassRunner:
         self._stage = HostStage(cache.shape.slots, self._device)
         self._last: torch.Tensor | None = None
         """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
-        self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
-        vocab = int(model.config.get_text_config().vocab_size)
-        self.decoder = DecodeStep(self._forward, cache, self._stage, vocab=vocab, graphs=graphs)
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits of each row's last column (a decode pass: one column per row)."""
-        out = self._model(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask={"full_attention": mask},
-            use_cache=True,
-            **{self._cache_kwarg: self._cache},
+        self._vocab = int(model.config.get_text_config().vocab_size)
+        self.decoder = DecodeStep(
+            self._forward, cache, self._stage, vocab=self._vocab, graphs=graphs
         )
+        try:
+            attention.attach(model)
+        except ValueError as exc:
+            raise UnsupportedModel(describe(model.config, type(model).__name__), str(exc)) from None
+        self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
+        try:
+            self.probe()
+        except BaseException:
+            self.close()
+            raise
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: SlotMasks) -> torch.Tensor:
+        """Logits of each row's last column (a decode pass: one column per row). The 4-D
+        mask only makes transformers' mask builders return at once (``hf/attention.py``)."""
+        with attention.attending(masks):
+            out = self._model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=masks.full,
+                use_cache=True,
+                **{self._cache_kwarg: self._cache},
+            )
         return out.logits[:, -1]
 
     def close(self) -> None:
-        """Take the LM-head hook off the model (the model may outlive the engine)."""
+        """Take the LM-head hook off the model and give it back its own attention (the
+        model may outlive the engine)."""
         self._hook.remove()
+        attention.detach(self._model)
+
+    def probe(self, tokens: int = 6, steps: int = 2) -> None:
+        """Refuse a model whose cached passes do not reproduce its own forward pass: a
+        prefill of ``tokens`` tokens in slot 0 and ``steps`` decode passes, against one
+        plain forward over the same tokens (:class:`UnsupportedModel` names the cause)."""
+        arch = describe(self._model.config, type(self._model).__name__)
+        dev, dtype = self._device, self._cache.shape.dtype
+        seq = torch.tensor(
+            [[(7 + 31 * i) % self._vocab for i in range(tokens + steps)]], device=dev
+        )
+        try:
+            with torch.inference_mode():
+                masks = SlotMasks.prefill(torch.tensor([tokens], device=dev), tokens, dtype)
+                self._cache.begin_prefill(0, 1, tokens)
+                self._last = torch.tensor([tokens - 1], device=dev)
+                try:
+                    got = [
+                        self._forward(
+                            seq[:, :tokens], torch.arange(tokens, device=dev)[None], masks
+                        )
+                    ]
+                finally:
+                    self._last = None
+                for end in range(tokens, tokens + steps):
+                    ends = seq.new_tensor([end])
+                    self._cache.begin_decode(ends, end + 1)
+                    step = SlotMasks.decode(ends, end + 1, dtype)
+                    got.append(self._forward(seq[:, end : end + 1], ends[:, None], step))
+                want = self._model(input_ids=seq, use_cache=False).logits[0, tokens - 1 :]
+        except Exception as exc:
+            raise UnsupportedModel(
+                arch, f"its forward pass fails on the engine's cache ({exc!r})"
+            ) from exc
+        if masks.calls == 0:
+            raise UnsupportedModel(arch, "its layers never called the engine's attention function")
+        err = float((torch.cat(got).float() - want.float()).abs().max())
+        scale = float(want.float().abs().max()) or 1.0
+        if not err <= PROBE_TOLERANCE.get(dtype, 5e-2) * scale:
+            raise UnsupportedModel(
+                arch, f"its cached passes do not reproduce its forward pass (logits differ by "
+                f"{err:.3g}, {err / scale:.2%} of their range)",
+            )  # fmt: skip
 
     def _pick_rows(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """Forward pre-hook of the LM head: during a prefill, only each row's last prompt
@@ -95,10 +161,10 @@ class PassRunner:
         ids, lens = dev[:, :width], dev[:, width]
         pos = torch.arange(width, device=self._device).expand(rows, width)
         self._cache.begin_prefill(first, rows, width)
-        mask = prefill_mask(lens, width, self._cache.shape.dtype)
+        masks = SlotMasks.prefill(lens, width, self._cache.shape.dtype)
         self._last = lens - 1
         try:
-            logits = self._forward(ids, pos, mask)
+            logits = self._forward(ids, pos, masks)
         finally:
             self._last = None
         return self._sample(batch, logits[:n])

@@ -1,0 +1,214 @@
+"""The embedded engine's one attention path, registered with transformers' attention interface.
+
+Every family the engine runs (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3,
+Phi-3, ...) computes its queries, keys and values, rotary embeddings and projections in its
+own modeling code, then calls the function registered under its
+``config._attn_implementation``. The engine switches the model to :data:`NAME` (:func:`attach`),
+so that call lands in :func:`slot_attention`, which reads the keys/values the slot cache
+returned and applies, per layer:
+
+* the pass's mask (:class:`SlotMasks`): each row sees only its own cache columns, causally;
+* a sliding window where the layer passes ``sliding_window`` (Mistral, Phi-3, Mixtral,
+  Qwen ``sliding_attention`` layers, Gemma's local layers): the query at position ``p``
+  sees keys at positions ``> p - window`` — the window of transformers' own masks;
+* attention-logit soft-capping where the layer passes ``softcap`` (Gemma 2):
+  ``tanh(scores / cap) * cap`` before the mask;
+* grouped-query attention (key/value heads repeated to the query heads).
+
+Masks are built from the pass's query positions (``SlotMasks.prefill`` / ``.decode``),
+once per distinct window per pass, on the device (inside a CUDA graph capture too). The
+4-D mask handed to the model as ``attention_mask`` only makes transformers' mask builders
+return at once (a prepared 4-D mask is used as-is); the attention function takes its masks
+from the pass active on its thread (:func:`attending`).
+
+Outside a pass (the caller runs the same model through ``generate`` or a plain forward
+while an engine holds it) the function is an exact eager attention: transformers builds its
+masks with its eager mask builder (registered under :data:`NAME` too), windows included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "tailcut_slots"
+"""The attention implementation name the engine's model runs under."""
+
+UNSUPPORTED_KWARGS = ("s_aux", "sinks")
+"""Attention arguments of families this path does not implement (attention sinks)."""
+
+
+class SlotMasks:
+    """The additive attention masks of one forward pass over the slot cache.
+
+    ``pos [rows, queries]`` is the cache column (= position) each query stands at; keys are
+    the columns ``0 .. width-1``. Query ``(r, i)`` sees the columns ``<= pos[r, i]`` (its
+    own row's, causally), and within a window ``w`` only those ``> pos[r, i] - w``. Every
+    query sees at least its own column, so no row of the softmax is empty (an empty row
+    would be NaN, and ``0 * NaN`` spreads through the value product)."""
+
+    def __init__(self, pos: torch.Tensor, width: int, dtype: torch.dtype) -> None:
+        self._pos = pos[:, None, :, None]
+        self._cols = torch.arange(width, device=pos.device)
+        self._dtype = dtype
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self.calls = 0
+        """Attention calls that read this pass's masks (one per layer of a forward)."""
+
+    @classmethod
+    def prefill(cls, lengths: torch.Tensor, width: int, dtype: torch.dtype) -> SlotMasks:
+        """Right-padded prompts of ``lengths`` tokens in ``width`` columns: causal within
+        each prompt; pad queries stand at their prompt's last column (outputs ignored)."""
+        cols = torch.arange(width, device=lengths.device)
+        return cls(torch.minimum(cols[None, :], (lengths - 1)[:, None]), width, dtype)
+
+    @classmethod
+    def decode(cls, ends: torch.Tensor, width: int, dtype: torch.dtype) -> SlotMasks:
+        """One new token per row, at column ``ends[row]``; ``width`` key columns."""
+        return cls(ends[:, None], width, dtype)
+
+    @property
+    def full(self) -> torch.Tensor:
+        """``[rows, 1, queries, width]``: the mask without a window."""
+        return self.mask(None)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with sliding ``window`` (None: full attention)."""
+        key = int(window) if window else None
+        mask = self._masks.get(key)
+        if mask is None:
+            visible = self._cols <= self._pos
+            if key is not None:
+                visible = visible & (self._cols > self._pos - key)
+            zero = torch.zeros((), dtype=self._dtype, device=visible.device)
+            neg = torch.full(
+                (), torch.finfo(self._dtype).min, dtype=self._dtype, device=zero.device
+            )
+            mask = self._masks[key] = torch.where(visible, zero, neg)
+        return mask
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def attending(masks: SlotMasks) -> Iterator[SlotMasks]:
+    """Run the model's attention on ``masks`` within this block (on this thread)."""
+    outer = getattr(_local, "masks", None)
+    _local.masks = masks
+    try:
+        yield masks
+    finally:
+        _local.masks = outer
+
+
+def slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query [b, heads, q, d]``, ``key``/``value [b, kv_heads, k, d]`` -> ``[b, q, heads, d]``."""
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name!r} (attention sinks), which the embedded "
+                "engine does not implement; serve this model with engine.kind=vllm or sglang"
+            )
+    masks: SlotMasks | None = getattr(_local, "masks", None)
+    if masks is not None:
+        masks.calls += 1
+        attention_mask = masks.mask(sliding_window)
+    elif attention_mask is not None:  # transformers' eager mask (window applied already)
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=attention_mask is None and query.shape[2] > 1,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+_registered = False
+_lock = threading.Lock()
+_holders: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+"""model -> [its attention implementation before the first attach, engines attached]."""
+
+
+def register() -> None:
+    """Register :func:`slot_attention` (and transformers' eager mask builder) as :data:`NAME`."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, slot_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
+    _registered = True
+
+
+def implementation(model: Any) -> str | None:
+    """The attention implementation ``model``'s text layers dispatch to."""
+    impl = getattr(model.config.get_text_config(), "_attn_implementation", None)
+    return None if impl is None else str(impl)
+
+
+def attach(model: Any) -> None:
+    """Switch ``model`` to :data:`NAME` (counted: every :func:`attach` needs a :func:`detach`).
+    Raises ``ValueError`` where transformers cannot switch it."""
+    register()
+    with _lock:
+        held = _holders.get(model)
+        if held is None:
+            before = model.config._attn_implementation
+            if before != NAME:
+                model.set_attn_implementation(NAME)
+            if implementation(model) != NAME or model.config._attn_implementation != NAME:
+                if before != NAME:
+                    with contextlib.suppress(Exception):
+                        model.set_attn_implementation(before)
+                raise ValueError(
+                    f"{type(model).__name__} cannot switch its attention implementation (it does "
+                    "not dispatch through transformers' attention interface)"
+                )
+            held = _holders[model] = [before, 0]
+        held[1] += 1
+
+
+def detach(model: Any) -> None:
+    """Undo one :func:`attach`; the last one restores the model's own implementation."""
+    with _lock:
+        held = _holders.get(model)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _holders[model]
+        if held[0] != NAME:
+            model.set_attn_implementation(held[0])

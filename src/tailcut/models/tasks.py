@@ -1,0 +1,112 @@
+"""The tasks a built-in model variant is fine-tuned on (``ModelRecipe.variant``).
+
+``arith`` (the default model, ``builtin``): the arithmetic word problems, solved with the
+``calculator`` tool (:mod:`tailcut.data.arith`). ``code`` (``builtin-code``): the DAPO-layout
+problems of :mod:`tailcut.data.dapo_synth`, solved with ``code_interpreter`` calls, one
+short program per line, answered ``Answer: N``. Each task draws its problems, renders their
+reference conversations, tells which problems are about its common topics (the recipe's
+``strict_share`` is keyed by them) and measures greedy accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tailcut.models.evaluate import EvalReport
+
+
+class Task(Protocol):
+    def problems(self, seed: int, n: int) -> list[Any]: ...
+
+    def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]: ...
+
+    def tools(self) -> list[dict[str, Any]]: ...
+
+    def common(self, problem: Any) -> bool:
+        """Whether the problem is about one of the first ``strict_items`` topics."""
+        ...
+
+    def evaluate(self, model: Any, tokenizer: Any, problems: Sequence[Any]) -> EvalReport: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ArithTask:
+    max_steps: int
+    tail_alpha: float
+    strict_items: int
+
+    def _cfg(self) -> Any:
+        from tailcut.data.arith import TaskConfig
+
+        return TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
+
+    def problems(self, seed: int, n: int) -> list[Any]:
+        from tailcut.data import arith
+
+        return arith.generate_problems(seed, n, self._cfg())
+
+    def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]:
+        from tailcut.data import arith
+
+        return arith.conversation(problem, style)
+
+    def tools(self) -> list[dict[str, Any]]:
+        from tailcut.data import arith
+
+        return arith.tools()
+
+    def common(self, problem: Any) -> bool:
+        from tailcut.data import arith
+
+        return bool(problem.item in arith.ITEMS[: self.strict_items])
+
+    def evaluate(self, model: Any, tokenizer: Any, problems: Sequence[Any]) -> EvalReport:
+        from tailcut.models.evaluate import greedy_accuracy
+
+        return greedy_accuracy(model, tokenizer, problems)
+
+
+@dataclass(frozen=True, slots=True)
+class CodeTask:
+    max_steps: int
+    tail_alpha: float
+    strict_items: int
+
+    def _cfg(self) -> Any:
+        from tailcut.data.dapo_synth import TaskConfig
+
+        return TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
+
+    def problems(self, seed: int, n: int) -> list[Any]:
+        from tailcut.data import dapo_synth
+
+        return dapo_synth.generate_problems(seed, n, self._cfg())
+
+    def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]:
+        from tailcut.data import dapo_synth
+
+        return dapo_synth.conversation(problem, style)
+
+    def tools(self) -> list[dict[str, Any]]:
+        from tailcut.data import dapo_synth
+
+        return dapo_synth.tools()
+
+    def common(self, problem: Any) -> bool:
+        from tailcut.data import dapo_synth
+
+        names = [op.name for op in dapo_synth.OPS[: self.strict_items]]
+        return bool(problem.steps[0].op in names)
+
+    def evaluate(self, model: Any, tokenizer: Any, problems: Sequence[Any]) -> EvalReport:
+        from tailcut.models.code_eval import greedy_code_accuracy
+
+        return greedy_code_accuracy(model, tokenizer, problems)
+
+
+def task_for(variant: str, max_steps: int, tail_alpha: float, strict_items: int) -> Task:
+    if variant == "code":
+        return CodeTask(max_steps, tail_alpha, strict_items)
+    return ArithTask(max_steps, tail_alpha, strict_items)

@@ -1,0 +1,249 @@
+"""The embedded engine on every family it runs (tiny random-init models, ``hf_families``):
+greedy tokens equal ``model.generate``, log-probs equal a full forward pass, aborts free
+their slots; and the architectures it cannot run are refused at load with the reason and
+the alternative engines.
+
+Every model here has a sliding window of 8 tokens (where its family has one) and prompts
+plus generations run past it; Gemma 2 soft-caps its attention logits. The wide init (std
+0.5) makes next-token distributions peaked, so greedy decoding has no near-ties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_families import FAMILIES, WINDOW, tiny_config, tiny_model  # noqa: E402
+from tailcut.config import HFEngineConfig  # noqa: E402
+from tailcut.engine.hf import HFEngine  # noqa: E402
+from tailcut.engine.hf.attention import NAME  # noqa: E402
+from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
+from tailcut.engine.hf.support import UnsupportedModel, check_model_dir  # noqa: E402
+from tailcut.types import (  # noqa: E402
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    new_request_id,
+)
+
+T = TypeVar("T")
+VOCAB = 256
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request: pytest.FixtureRequest) -> Any:
+    return tiny_model(request.param, VOCAB, initializer_range=0.5)
+
+
+def run(model: Any, body: Callable[[HFEngine], Awaitable[T]], *, slots: int = 4, **cfg: Any) -> T:
+    async def main() -> T:
+        engine = HFEngine(
+            model, HFEngineConfig(max_seq_len=128, **cfg), max_batch_size=slots, eos_ids=()
+        )
+        try:
+            async with asyncio.timeout(120):
+                return await body(engine)
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(main())
+
+
+def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
+    sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, **sp)
+    return GenerateRequest(new_request_id("fam"), prompt, sampling)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    return [3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(length)]
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    return list(out[0, len(prompt_ids) :].tolist())
+
+
+def full_forward_logits(model: Any, prompt_ids: list[int], output_ids: list[int]) -> Any:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
+
+
+# ── generation ──────────────────────────────────────────────────────────────────────
+
+
+def test_greedy_tokens_equal_model_generate_past_the_window(model: Any) -> None:
+    """A ragged batch whose members join and leave (slots reused, rows moved), prompts
+    shorter and longer than the window, generations well past it."""
+    prompts = [prompt(i, n) for i, n in enumerate((3, 11, 5, 20, 2))]
+    budgets = [16, 5, 19, 12, 14]
+    assert max(budgets) > 2 * WINDOW
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        first = [
+            asyncio.create_task(engine.generate(req(p, n, temperature=0.0)))
+            for p, n in zip(prompts[:3], budgets[:3], strict=True)
+        ]
+        await first[1]
+        later = [
+            asyncio.create_task(engine.generate(req(p, n, temperature=0.0)))
+            for p, n in zip(prompts[3:], budgets[3:], strict=True)
+        ]
+        return list(await asyncio.gather(*first, *later))
+
+    results = run(model, body, slots=3)
+    assert model.config._attn_implementation != NAME  # given back at close
+    for p, n, r in zip(prompts, budgets, results, strict=True):
+        assert r.output_ids == hf_greedy(model, p, n)
+
+
+@pytest.mark.parametrize(
+    ("mode", "temperature", "top_p"), [("sampled", 0.8, 0.9), ("raw", 1.2, 1.0)]
+)
+def test_logprobs_equal_a_full_forward_pass(
+    model: Any, mode: str, temperature: float, top_p: float
+) -> None:
+    prompts = [prompt(i, 4 + 6 * i) for i in range(3)]
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        jobs = [
+            engine.generate(req(p, 14, temperature=temperature, top_p=top_p, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    for p, r in zip(prompts, run(model, body, logprobs=mode), strict=True):
+        logits = full_forward_logits(model, p, r.output_ids)
+        if mode == "raw":
+            ref = torch.log_softmax(logits, dim=-1)
+        else:
+            ref = nucleus_logprobs(logits, temperature, top_p)
+        expected = ref.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
+        assert torch.isfinite(expected).all()
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_an_abort_frees_its_slot_and_the_other_rows_stay_exact(model: Any) -> None:
+    prompts = [prompt(i, 5 + 4 * i) for i in range(3)]
+
+    async def body(engine: HFEngine) -> tuple[GenerateResult, list[GenerateResult]]:
+        victim = req(prompt(9, 6), 200)
+        doomed = asyncio.create_task(engine.generate(victim))
+        others = [
+            asyncio.create_task(engine.generate(req(p, 18, temperature=0.0))) for p in prompts
+        ]
+        await asyncio.sleep(0)
+        await engine.generate(req(prompts[0], 3))  # the victim has generated tokens by now
+        await engine.abort([victim.request_id])
+        stats = await engine.stats()
+        assert victim.request_id not in await engine.in_flight()
+        assert stats.tokens_after_abort == 0 and stats.aborted == 1
+        finished = list(await asyncio.gather(*others))
+        assert (await engine.stats()).kv_blocks_in_use == 0
+        return await doomed, finished
+
+    aborted, finished = run(model, body, slots=4)
+    assert aborted.finish_reason is FinishReason.ABORT and 0 < len(aborted.output_ids) < 200
+    for p, r in zip(prompts, finished, strict=True):
+        assert r.output_ids == hf_greedy(model, p, 18)
+
+
+def test_a_weight_update_switches_to_the_new_weights(model: Any) -> None:
+    family = next(k for k, v in FAMILIES.items() if v[1] == type(model).__name__)
+    other = tiny_model(family, VOCAB, seed=1, initializer_range=0.5)
+    mine = tiny_model(family, VOCAB, seed=0, initializer_range=0.5)
+    p = prompt(4, 12)
+
+    async def body(engine: HFEngine) -> GenerateResult:
+        await engine.update_weights(other.state_dict(), version=3)
+        return await engine.generate(req(p, 12, temperature=0.0))
+
+    result = run(mine, body)
+    assert result.weight_version == 3
+    assert result.output_ids == hf_greedy(other, p, 12)
+
+
+# ── refused at load ─────────────────────────────────────────────────────────────────
+
+
+def _random(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+REFUSED = {
+    # family: (config class, overrides, the reason's words)
+    "mamba": ("MambaConfig", {"hidden_size": 32, "num_hidden_layers": 2}, "attention interface"),
+    "llama4-chunked": (
+        "Llama4TextConfig",
+        {"attention_chunk_size": 16, "num_local_experts": 2, "intermediate_size": 32,
+         "intermediate_size_mlp": 32, "head_dim": 8},
+        "chunked_attention",
+    ),
+    "deepseek-mla": (
+        "DeepseekV3Config",
+        {"n_routed_experts": 2, "moe_intermediate_size": 16, "kv_lora_rank": 8, "q_lora_rank": 8,
+         "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 2,
+         "n_group": 1, "topk_group": 1, "num_experts_per_tok": 1},
+        "latent attention",
+    ),
+    "gpt-oss-sinks": (
+        "GptOssConfig",
+        {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8,
+         "layer_types": ["sliding_attention", "full_attention"]},
+        "sinks",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_an_architecture_the_engine_cannot_run_is_refused_with_the_reason(
+    name: str, tmp_path: Path
+) -> None:
+    config_cls, overrides, words = REFUSED[name]
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    config = getattr(transformers, config_cls)(**{**base, **overrides})
+    with pytest.raises(UnsupportedModel, match=r"engine\.kind=vllm or engine\.kind=sglang") as err:
+        HFEngine(_random(config), HFEngineConfig(max_seq_len=64), max_batch_size=2)
+    assert words in str(err.value)
+    if words != "sinks":  # known from config.json alone, before any weight is read
+        config.save_pretrained(tmp_path)
+        with pytest.raises(UnsupportedModel, match=words):
+            check_model_dir(tmp_path)
+
+
+def test_a_model_whose_cached_passes_disagree_with_its_forward_is_refused() -> None:
+    """The load-time probe: a Llama whose attention secretly looks at the future."""
+    model = tiny_model("llama", VOCAB)
+    layer = model.model.layers[0].self_attn
+    forward = layer.forward
+
+    def leaky(*args: Any, **kwargs: Any) -> Any:
+        out, weights = forward(*args, **kwargs)
+        return out + 0.1 * out.flip(1), weights  # mixes in later positions
+
+    layer.forward = leaky
+    with pytest.raises(UnsupportedModel, match="do not reproduce its forward pass"):
+        HFEngine(model, HFEngineConfig(max_seq_len=64), max_batch_size=2)
+    assert model.config._attn_implementation != NAME
+
+
+def test_the_known_families_pass_the_directory_check(tmp_path: Path) -> None:
+    for family in FAMILIES:
+        tiny_config(family, VOCAB).save_pretrained(tmp_path / family)
+        check_model_dir(tmp_path / family)
