@@ -134,7 +134,11 @@ class AgentLoop:
         self.toolset = toolset or ToolSet({})
         self.reward_fn = reward_fn
         self.template_kwargs = dict(template_kwargs or {})
-        self.parser = get_parser(self.cfg.tool_parser, max_call_chars=self.cfg.max_tool_call_chars)
+        self.parser = get_parser(
+            self.cfg.tool_parser,
+            chat_template=getattr(tokenizer, "chat_template", None),
+            max_call_chars=self.cfg.max_tool_call_chars,
+        )
         self.stop_ids = stop_token_ids(tokenizer)
         self.schemas = self.toolset.schemas() or None
 
