@@ -10,6 +10,7 @@ reference conversations, tells which problems are about its common topics (the r
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,35 +33,38 @@ class Task(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class ArithTask:
+class _DataTask:
+    """A task whose problems, conversations and tools come from one ``tailcut.data`` module
+    (imported when used: the build pipeline stays light to import)."""
+
     max_steps: int
     tail_alpha: float
     strict_items: int
+    module = ""
+    """``tailcut.data.<module>``: ``TaskConfig``, ``generate_problems``, ``conversation``,
+    ``tools``."""
 
-    def _cfg(self) -> Any:
-        from tailcut.data.arith import TaskConfig
-
-        return TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
+    def _data(self) -> Any:
+        return importlib.import_module(f"tailcut.data.{self.module}")
 
     def problems(self, seed: int, n: int) -> list[Any]:
-        from tailcut.data import arith
-
-        return arith.generate_problems(seed, n, self._cfg())
+        data = self._data()
+        cfg = data.TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
+        return list(data.generate_problems(seed, n, cfg))
 
     def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]:
-        from tailcut.data import arith
-
-        return arith.conversation(problem, style)
+        return list(self._data().conversation(problem, style))
 
     def tools(self) -> list[dict[str, Any]]:
-        from tailcut.data import arith
+        return list(self._data().tools())
 
-        return arith.tools()
+
+@dataclass(frozen=True, slots=True)
+class ArithTask(_DataTask):
+    module = "arith"
 
     def common(self, problem: Any) -> bool:
-        from tailcut.data import arith
-
-        return bool(problem.item in arith.ITEMS[: self.strict_items])
+        return bool(problem.item in self._data().ITEMS[: self.strict_items])
 
     def evaluate(self, model: Any, tokenizer: Any, problems: Sequence[Any]) -> EvalReport:
         from tailcut.models.evaluate import greedy_accuracy
@@ -69,35 +73,11 @@ class ArithTask:
 
 
 @dataclass(frozen=True, slots=True)
-class CodeTask:
-    max_steps: int
-    tail_alpha: float
-    strict_items: int
-
-    def _cfg(self) -> Any:
-        from tailcut.data.dapo_synth import TaskConfig
-
-        return TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
-
-    def problems(self, seed: int, n: int) -> list[Any]:
-        from tailcut.data import dapo_synth
-
-        return dapo_synth.generate_problems(seed, n, self._cfg())
-
-    def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]:
-        from tailcut.data import dapo_synth
-
-        return dapo_synth.conversation(problem, style)
-
-    def tools(self) -> list[dict[str, Any]]:
-        from tailcut.data import dapo_synth
-
-        return dapo_synth.tools()
+class CodeTask(_DataTask):
+    module = "dapo_synth"
 
     def common(self, problem: Any) -> bool:
-        from tailcut.data import dapo_synth
-
-        names = [op.name for op in dapo_synth.OPS[: self.strict_items]]
+        names = [op.name for op in self._data().OPS[: self.strict_items]]
         return bool(problem.steps[0].op in names)
 
     def evaluate(self, model: Any, tokenizer: Any, problems: Sequence[Any]) -> EvalReport:
