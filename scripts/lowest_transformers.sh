@@ -46,6 +46,7 @@ start=$SECONDS
 pytest() { timeout "${LOWEST_TIMEOUT_S:-600}" "$PY" -m pytest -q -p no:cacheprovider "$@"; }
 pytest tests/unit/test_hf_engine.py tests/unit/test_hf_batching.py tests/unit/test_hf_families.py \
   tests/unit/test_chat_template.py tests/unit/test_chat_tokenize.py \
+  tests/unit/test_chat_families.py tests/unit/test_tool_formats.py \
   tests/integration/test_train_families.py
 pytest tests/contract -k "hf-tiny"
 echo "lowest transformers ($LOWEST): engine and chat-template tests passed in $((SECONDS - start)) s"

@@ -51,6 +51,40 @@ VARIANTS: dict[str, list[str]] = {
         "cutoff.aborted=partial",
         "algo.rollout_correction=token-tis",
     ],
+    # The over-sampling budget (docs/training.md): long rounds, the adaptive cut, the filter.
+    "target-count/drop+long": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=drop",
+        "cutoff.long_rounds=true",
+    ],
+    "target-count/partial+long": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=partial",
+        "cutoff.long_rounds=true",
+    ],
+    "adapt/drop": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=drop",
+        "cutoff.adapt=true",
+        "cutoff.max_length_bias=0.1",
+    ],
+    "wait-all+filter": [
+        "cutoff.policy=wait-all",
+        "cutoff.audit_every=0",
+        "algo.filter_groups=zero-std",
+    ],
+    "target-count/drop+filter": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=drop",
+        "algo.filter_groups=zero-std",
+    ],
+    "adapt/drop+filter": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=drop",
+        "cutoff.adapt=true",
+        "cutoff.max_length_bias=0.1",
+        "algo.filter_groups=zero-std",
+    ],
 }
 ESTIMATORS = ("completed_mean", "all_zero_filled", "group_imputed")
 
@@ -107,6 +141,12 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             "mismatch_kl": _mean([r.get("train/mismatch_kl") for r in steps]),
             "version_lag": _mean([r.get("train/version_lag_mean") for r in steps]),
             "is_clipped": _mean([r.get("train/rollout_is_clipped_frac") for r in steps]),
+            "bias_length": _mean([r.get("bias/length") for r in steps]),
+            "bias_length_run": _last(steps, "bias/length_run"),
+            "filtered_groups": _mean([r.get("batch/filtered_groups") for r in steps]),
+            "gen_rounds": _mean([r.get("batch/gen_rounds") for r in steps]),
+            "long_rounds": _last(steps, "long/rounds_total"),
+            "skipped": _last(steps, "batch/skipped_total"),
         }
         if base_final is not None:
             reach = time_to_reach(rows, base_final)
@@ -123,6 +163,11 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             row[f"bias_{est}"] = _mean(bias) if bias else None
         out[name] = row
     return out
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return float(vals[-1]) if vals else None
 
 
 def _final_val(rows: list[dict[str, Any]] | None) -> float | None:
@@ -147,8 +192,9 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
         "",
         "| variant | steps | s/step | rollout s/step | aborted | val start | val final | "
         "time to wait-all's final val (s) | ratio vs wait-all | time to 90% of it (s) | "
-        "ratio vs wait-all | bias completed | bias zero-filled | bias imputed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "ratio vs wait-all | bias completed | bias zero-filled | bias imputed | "
+        "bias/length (audits) | bias/length (run) | filtered groups | extra rounds | long rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary.items():
         lines.append(
@@ -157,7 +203,9 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
             f"{_fmt(r.get('time_to_waitall_final_s'), '.0f')} | {_fmt(r.get('time_ratio_vs_waitall'), '.2f')} | "
             f"{_fmt(r.get('time_to_near_s'), '.0f')} | {_fmt(r.get('near_ratio_vs_waitall'), '.2f')} | "
             f"{_fmt(r['bias_completed_mean'], '+.3f')} | {_fmt(r['bias_all_zero_filled'], '+.3f')} | "
-            f"{_fmt(r['bias_group_imputed'], '+.3f')} |"
+            f"{_fmt(r['bias_group_imputed'], '+.3f')} | {_fmt(r.get('bias_length'), '+.1%')} | "
+            f"{_fmt(r.get('bias_length_run'), '+.1%')} | {_fmt(r.get('filtered_groups'), '.1f')} | "
+            f"{_fmt(r.get('gen_rounds'), '.2f')} | {_fmt(r.get('long_rounds'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -213,6 +261,10 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
         ("bias_completed_mean", "bias completed", "+.3f"),
         ("bias_all_zero_filled", "bias zero-filled", "+.3f"),
         ("bias_group_imputed", "bias imputed", "+.3f"),
+        ("bias_length", "bias/length (audits)", "+.1%"),
+        ("bias_length_run", "bias/length (run)", "+.1%"),
+        ("filtered_groups", "filtered groups", ".1f"),
+        ("gen_rounds", "extra rounds", ".2f"),
         ("mismatch_kl", "mismatch KL", ".2e"),
         ("version_lag", "version lag", ".3f"),
         ("is_clipped", "IS truncated", ".2%"),

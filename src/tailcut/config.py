@@ -62,6 +62,14 @@ class SimEngineConfig(_Model):
     an 80 GB H100 at 36,864 B per token (after weights, activations and graphs)."""
     kv_block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block (for the blocks-in-use counter)."""
+    max_running: int | None = Field(None, ge=1)
+    """Most sequences decoded together (vLLM's ``max_num_seqs``); None: as many as the KV
+    cache holds."""
+    preemption: Literal["recompute", "keep"] = "recompute"
+    """When a request of better ``priority`` (lower) waits for a batch slot, the running one
+    of worst priority is paused: ``recompute`` frees its KV cache and prefills its prompt
+    and tokens again when it resumes (vLLM's preemption); ``keep`` keeps its KV cache
+    reserved and resumes without a prefill. Only requests that carry priorities preempt."""
 
 
 class HFEngineConfig(_Model):
@@ -69,7 +77,9 @@ class HFEngineConfig(_Model):
     """KV-cache slot length: prompt plus generated tokens of one request (capped by the
     model's max_position_embeddings)."""
     max_prefill_tokens: int = Field(8192, ge=16, le=1_048_576)
-    """Most padded prompt tokens (rows x longest prompt) prefilled in one forward pass."""
+    """Most padded prompt tokens (rows x longest prompt) prefilled in one forward pass; a
+    prompt longer than this is prefilled in chunks of columns, one pass each (same tokens
+    and log-probs as one pass)."""
     kv_block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV block in the blocks-in-use counter."""
     logprobs: LogprobDistribution = "sampled"
@@ -88,6 +98,11 @@ class HFEngineConfig(_Model):
     pass of its own, so fewer, larger prefills leave more time for decoding."""
     admit_max_wait: int = Field(8, ge=0, le=1000)
     """Most decode passes a waiting request waits for a batch to form (0: admit at once)."""
+    vocab_rows: int | None = Field(None, ge=1)
+    """Rows of the LM head that may be sampled (greedy included): the first ``vocab_rows``
+    token ids; the returned log-probs are of that restricted distribution. None: the
+    length of the model directory's tokenizer where it is shorter than the head (padded
+    vocabularies, the ``builtin-qwen2-*`` models), else every row."""
 
 
 class RemoteEngineConfig(_Model):
@@ -151,6 +166,11 @@ class EngineConfig(_Model):
     """Embedded (in-process Hugging Face) engine parameters."""
     remote: RemoteEngineConfig = RemoteEngineConfig()
     """SGLang / vLLM server client settings."""
+    release_between_steps: Literal["none", "kv", "kv+weights"] = "none"
+    """Colocation on one GPU: what the engine hands back while the actor trains (hf and
+    sglang): none; kv, its KV cache (and the CUDA graphs that read it); kv+weights, its
+    weights too (offloaded to host memory). Taken back before the next rollout
+    (``tailcut.engine.base.release_for_training`` / ``resume_for_rollout``)."""
 
     @property
     def logprob_distribution(self) -> LogprobDistribution:
@@ -194,6 +214,42 @@ class CutoffConfig(_Model):
     """With many workers: cut each worker at its own target, or all at a global one."""
     tolerate_worker_loss: bool = False
     """Record a dead worker's requests as FAILED and go on (else fail the step)."""
+    long_rounds: bool = False
+    """Keep the long samples (``rollout/long_rounds.py``): a group with a cut member is not
+    trained in its step; its prompt is queued (with ``partial``: a trajectory past
+    ``max_staleness``) and run again, whole and uncut, in a later long round together with
+    the other queued prompts (the tail batched with the tail)."""
+    long_round_prompts: int | None = Field(None, ge=1)
+    """Queued prompts that start a long round (None: a step's ``data.batch_size``)."""
+    adapt: bool = False
+    """Pick the cut each step (target-count: ``abort_ratio``; over-provision, group-quota:
+    ``over_provision``) from recent completion times, for the most kept samples per second
+    under ``max_length_bias`` (``rollout/adapt.py``). Starts from the configured value."""
+    adapt_min: float = Field(0.0, ge=0.0, lt=1.0)
+    """adapt: smallest share of a step's launched samples the cut may abort."""
+    adapt_max: float = Field(0.4, gt=0.0, lt=1.0)
+    """adapt: largest share of a step's launched samples the cut may abort."""
+    adapt_max_change: float = Field(0.05, gt=0.0, le=1.0)
+    """adapt: most the cut share moves from one step to the next."""
+    max_length_bias: float = Field(0.1, gt=0.0, le=1.0)
+    """adapt: the predicted ``bias/length`` (mean length of kept samples over that of all,
+    minus 1) the chosen cut may reach in magnitude."""
+
+
+class ScheduleConfig(_Model):
+    """Length-aware scheduling inside the over-sampled step (``rollout/spf.py``)."""
+
+    kind: Literal["fifo", "spf"] = "fifo"
+    """fifo: every engine call goes in as it comes; spf: shortest-predicted-first, the
+    likely stragglers wait at their next engine call and requests carry their predicted
+    remaining tokens as their priority."""
+    margin: float = Field(0.05, ge=0.0, le=1.0)
+    """spf: trajectories allowed in beyond those still needed, as a fraction of the
+    over-sample (1: all, plain cut-off)."""
+    need_ratio: float = Field(1.0, ge=0.0, le=100.0)
+    """spf: ... and at least this many times those still needed (0: hold from launch,
+    which pays only with a near-perfect launch-time prediction; see
+    examples/length_aware)."""
 
 
 class AgentLoopConfig(_Model):

@@ -119,6 +119,11 @@ class SamplingParams:
     continue the same stream, so the continued tokens are the ones the uncut generation
     would have sampled; an engine that draws in order from the seed (vLLM) gets a seed
     derived from both (:meth:`stream_seed`), never the first draws again."""
+    priority: int | None = None
+    """Scheduling priority, lower first (vLLM's ``priority`` with
+    ``--scheduling-policy priority``, SGLang's with ``--enable-priority-scheduling``, the
+    simulated engine's); None: the engine's default order. Set by length-aware scheduling
+    (``rollout/spf.py``)."""
 
     def stream_seed(self) -> int | None:
         """One seed for engines that cannot skip draws: ``seed`` itself when nothing was

@@ -19,7 +19,6 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `fakes`
 
 from tailcut.algo.batch import TrainBatch, assemble, plan_rows
+from tailcut.train import checkpoint as ckpt
 from tailcut.train.actor import Actor
 from tailcut.train.config import ActorConfig, AlgoConfig
 from tailcut.train.distributed import Ranks, close, from_env
@@ -135,20 +135,19 @@ def run_case(case: str, ranks: Ranks) -> dict[str, Any]:
     }
 
 
-def run_state(ranks: Ranks, one_rank_state: Path | None) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
+def run_state(ranks: Ranks, one_rank_state: Path | None, run_dir: Path) -> dict[str, Any]:
     first, second = fixed_batch(0), fixed_batch(1)
     a = make_actor("token-mean", ranks)
     a.update(first)
     full = copy.deepcopy(a.state_dict())  # on the CPU its tensors are the live ones
-    where = ranks.broadcast(tempfile.mkdtemp(prefix="tailcut-dcp-") if ranks.is_main else None)
-    dcp.save(a.dcp_state(), checkpoint_id=where)
+    # A sharded checkpoint (every rank its DCP shards, rank 0 the commit) loaded by a fresh actor.
+    path = ckpt.save_checkpoint(run_dir, 1, a.save_dcp, {"step": 1}, ranks=ranks)
     b = make_actor("token-mean", ranks)
-    state = b.dcp_state()
-    dcp.load(state, checkpoint_id=where)
-    b.load_dcp_state(state)
+    actor_part, _ = ckpt.load_checkpoint(path)
+    assert isinstance(actor_part, Path)
+    b.load_dcp(actor_part)
     out: dict[str, Any] = {"full": full, "version_b": b.version, "steps_b": b.optimizer_steps}
+    out["dcp_checkpoint"] = str(path)
     out["metrics_a"], out["metrics_b"] = a.update(second), b.update(second)
     out["params_a"], out["params_b"] = full_params(a), full_params(b)
     if one_rank_state is not None:
@@ -211,7 +210,7 @@ def main() -> None:
             if case == "cuda":
                 results[case] = run_cuda(ranks)
             elif case == "state":
-                results[case] = run_state(ranks, args.one_rank_state)
+                results[case] = run_state(ranks, args.one_rank_state, args.out.parent / "run")
             else:
                 results[case] = run_case(case, ranks)
         if ranks.is_main:

@@ -37,6 +37,24 @@ What it mirrors (SGLang's ``http_server.py``, ``io_struct.py``, ``tokenizer_mana
   files salts :func:`fake_token`), so loading different weights changes the outputs and
   loading the same ones gives the same outputs again.
 
+* Weights in memory, as SGLang's ``init_custom_process_group`` / ``ModelRunner`` do it:
+  ``GET /server_info`` (and the older ``/get_server_info``) with ``tp_size``, ``dp_size``,
+  ``pp_size``; ``POST /init_weights_update_group {"master_address", "master_port",
+  "rank_offset", "world_size", "group_name", "backend"}``: each of the ``tp_size`` "TP
+  workers" joins the trainer's group (gloo only here) as rank ``rank_offset + tp_rank``, in
+  a thread, and the call answers once they all joined: ``{"success": true, "message":
+  "Succeeded to initialize custom process group."}``, or HTTP 400 ``{"success": false,
+  "message": "Failed to initialize custom process group: ...."}``. ``POST
+  /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+  "flush_cache", "abort_all_requests", "weight_version"}`` takes the writer side of the
+  model-update lock (like a load from disk), then every TP worker allocates the tensors
+  and receives them from rank 0 in that order; the received tensors replace those of the
+  same name in :attr:`FakeSGLangServer.received` (compare with :func:`tensors_checksum`:
+  a test can prove a server holds exactly the actor's weights) and salt the sampled
+  tokens. Answers ``{"success": true, "message": "Succeeded to update parameter
+  online.[ Weight version updated to V.]"}``; an unknown group or a failed receive: HTTP
+  400 with ``success: false``. ``POST /destroy_weights_update_group {"group_name"}``.
+
 Decoding is one token per ``step_s`` for every running request (at most ``max_running``);
 token ids and their log-probs are a pure function of (rid, position): see
 :func:`fake_token`, :func:`fake_logprob`. Faults (:class:`FakeFaults`): lost aborts, slow
@@ -96,6 +114,12 @@ class FakeFaults:
     """Aborts and disconnects are ignored: requests decode on (a stuck scheduler)."""
     generate_errors: list[tuple[int, str]] = field(default_factory=list)
     """The next ``/generate`` calls fail with (HTTP status, message), in order."""
+    init_errors: list[str] = field(default_factory=list)
+    """The next ``/init_weights_update_group`` calls fail with this error, not joining."""
+    join_hangs: bool = False
+    """``/init_weights_update_group`` never joins nor answers (a server stuck in it)."""
+    distributed_errors: list[str] = field(default_factory=list)
+    """The next ``/update_weights_from_distributed`` calls fail before receiving."""
     update_errors: list[str] = field(default_factory=list)
     """The next ``/update_weights_from_disk`` calls fail while loading, in order, with
     "Failed to update weights: <error>. Rolling back to original weights."; the old
@@ -138,6 +162,8 @@ class FakeSGLangServer:
         faults: FakeFaults | None = None,
         model_path: str = "fake/model",
         changed: asyncio.Condition | None = None,
+        tp_size: int = 1,
+        group_timeout_s: float = 30.0,
     ) -> None:
         self.step_s = step_s
         self.max_running = max_running
@@ -154,6 +180,19 @@ class FakeSGLangServer:
         """Checksum of the loaded weights ("": the ones it started with)."""
         self.update_log: list[dict[str, Any]] = []
         """Bodies of the ``/update_weights_from_disk`` calls, in order of arrival."""
+        self.tp_size = tp_size
+        self.group_timeout_s = group_timeout_s
+        """Bound on joining a group and on each receive (as a process group's timeout)."""
+        self.groups: dict[str, list[Any]] = {}
+        """Weight-update groups joined: one backend per TP worker."""
+        self.init_log: list[dict[str, Any]] = []
+        self.dist_log: list[dict[str, Any]] = []
+        """Bodies of the ``/update_weights_from_distributed`` calls, in order of arrival."""
+        self.received: dict[str, Any] = {}
+        """Tensors received over a weight-update group, by name (TP worker 0's copy)."""
+        self._collectives: set[asyncio.Future[Any]] = set()
+        """Joins and receives under way (each ends by ``group_timeout_s``): awaited at stop,
+        so no thread is left inside torch when the process exits."""
         self.cache_flushes = 0
         self.released: set[str] = set()
         self.waiting: list[FakeReq] = []
@@ -192,6 +231,11 @@ class FakeSGLangServer:
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         r.add_post("/update_weights_from_disk", self.update_weights)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         r.add_get("/model_info", self.model_info)
@@ -218,7 +262,23 @@ class FakeSGLangServer:
     def set_ready(self) -> None:
         self._ready.set()
 
+    def _collective(self, fn: Any, name: str) -> asyncio.Future[Any]:
+        from tailcut.engine.update_group import in_thread
+
+        future = asyncio.ensure_future(in_thread(fn, name))
+        self._collectives.add(future)
+
+        def settled(f: asyncio.Future[Any]) -> None:
+            self._collectives.discard(f)
+            if not f.cancelled():
+                f.exception()  # answered to the client (or nobody is left to tell)
+
+        future.add_done_callback(settled)
+        return future
+
     async def stop(self) -> None:
+        if self._collectives:
+            await asyncio.wait(set(self._collectives))
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -561,6 +621,134 @@ class FakeSGLangServer:
                 message += f" Weight version updated to {self.weight_version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
+    # -- weights in memory: a weight-update process group ----------------------------------
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tp_size": self.tp_size,
+                "dp_size": 1,
+                "pp_size": 1,
+                "enable_dp_attention": False,
+                "version": VERSION,
+            }
+        )
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        from tailcut.engine.update_group import join_group
+
+        body = await request.json()
+        missing = _missing(body, ("master_address", "master_port", "rank_offset", "world_size"))
+        if missing:
+            return missing
+        self.init_log.append(body)
+        if self.faults.init_errors:
+            return _group_failed(self.faults.init_errors.pop(0))
+        if self.faults.join_hangs:
+            await asyncio.Event().wait()  # until the client gives up (the handler is cancelled)
+        name, backend = str(body.get("group_name", "weight_update_group")), body.get("backend")
+        if (backend or "nccl") != "gloo":
+            return _group_failed(f"this fake joins gloo groups only, not {backend}")
+        address, port = str(body["master_address"]), int(body["master_port"])
+        offset, world = int(body["rank_offset"]), int(body["world_size"])
+
+        def joiner(rank: int) -> Any:
+            return lambda: join_group(
+                address, port, rank, world, name, "gloo", self.group_timeout_s
+            )
+
+        try:
+            workers = await asyncio.gather(
+                *(
+                    asyncio.shield(self._collective(joiner(offset + r), "fake-join"))
+                    for r in range(self.tp_size)
+                )
+            )
+        except Exception as exc:
+            return _group_failed(str(exc))
+        self.groups[name] = list(workers)
+        return web.json_response(
+            {"success": True, "message": "Succeeded to initialize custom process group."}
+        )
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        missing = _missing(body, ("names", "dtypes", "shapes"))
+        if missing:
+            return missing
+        self.dist_log.append(body)
+        if body.get("abort_all_requests"):
+            self._abort_matching("", True)
+            self._wake.set()
+        async with self._writing():
+            name = str(body.get("group_name", "weight_update_group"))
+            if name not in self.groups:
+                return _update_failed(
+                    f"Group {name} not in {list(self.groups)}. Please call "
+                    f"`init_weights_update_group` first."
+                )
+            if self.faults.distributed_errors:
+                return _update_failed(_partial(self.faults.distributed_errors.pop(0)))
+            try:
+                copies = await self._receive(self.groups[name], body)
+            except Exception as exc:
+                return _update_failed(_partial(str(exc)))
+            self.received.update(copies[0])
+            bucket = tensors_checksum(copies[0])  # chained per bucket: the sampled tokens change
+            self.weights = f"{zlib.crc32(f'{self.weights}{bucket}'.encode()):08x}:"
+            if body.get("flush_cache", True):
+                self.cache_flushes += 1
+            message = "Succeeded to update parameter online."
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+                message += f" Weight version updated to {self.weight_version}."
+        return web.json_response({"success": True, "message": message})
+
+    async def _receive(self, workers: list[Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every TP worker allocates the tensors and receives them from rank 0, as the
+        model runner does (all broadcasts posted, then waited)."""
+        import datetime
+
+        import torch
+        from torch.distributed import BroadcastOptions
+
+        specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
+
+        def receive(pg: Any) -> dict[str, Any]:
+            out, works = {}, []
+            for name, dtype, shape in specs:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                opts = BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                opts.timeout = datetime.timedelta(seconds=self.group_timeout_s)
+                works.append(pg.broadcast([tensor], opts))
+                out[name] = tensor
+            for work in works:
+                work.wait()
+            return out
+
+        def worker(pg: Any) -> Any:
+            return lambda: receive(pg)
+
+        return list(
+            await asyncio.gather(
+                *(asyncio.shield(self._collective(worker(pg), "fake-receive")) for pg in workers)
+            )
+        )
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = str(body.get("group_name", "weight_update_group"))
+        if self.groups.pop(name, None) is None:
+            return web.json_response(
+                {"success": False, "message": "The group to be destroyed does not exist."},
+                status=400,
+            )
+        return web.json_response(
+            {"success": True, "message": "Succeeded to destroy custom process group."}
+        )
+
     @property
     def update_waiting(self) -> bool:
         """A weight update waits for running requests."""
@@ -587,6 +775,41 @@ class FakeSGLangServer:
 
 def _abort_reason() -> dict[str, Any]:
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def tensors_checksum(tensors: dict[str, Any]) -> str:
+    """Checksum of named tensors (names, dtypes, shapes and bytes, in name order)."""
+    import torch
+
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        crc = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def _missing(body: dict[str, Any], keys: tuple[str, ...]) -> web.Response | None:
+    """FastAPI's answer to a body without required fields (HTTP 422)."""
+    absent = [k for k in keys if k not in body]
+    if not absent:
+        return None
+    detail = [{"type": "missing", "loc": ["body", k], "msg": "Field required"} for k in absent]
+    return web.json_response({"detail": detail}, status=422)
+
+
+def _group_failed(error: str) -> web.Response:
+    return web.json_response(
+        {"success": False, "message": f"Failed to initialize custom process group: {error}."},
+        status=400,
+    )
+
+
+def _partial(error: str) -> str:
+    return (
+        f"Failed to update parameter online: {error}. The full weights of the ModelRunner "
+        f"are partially updated. Please discard the whole weights."
+    )
 
 
 def _update_failed(message: str) -> web.Response:
@@ -618,12 +841,14 @@ async def fake_servers(n: int = 1, **kw: Any) -> Any:
             await server.stop()
 
 
-async def _serve(n: int, step_s: float) -> None:
-    """Serve ``n`` fake servers until stdin closes; print their URLs as one JSON line."""
-    async with fake_servers(n, step_s=step_s) as servers:
+async def _serve(n: int, step_s: float, vocab: int) -> None:
+    """Serve ``n`` fake servers until stdin closes; print their URLs as one JSON line, and
+    at the end each server's ``update_log`` (one JSON line)."""
+    async with fake_servers(n, step_s=step_s, vocab=vocab) as servers:
         print(json.dumps([s.url for s in servers]), flush=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, __import__("sys").stdin.read)
+        print(json.dumps([s.update_log for s in servers]), flush=True)
 
 
 if __name__ == "__main__":
@@ -632,5 +857,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Run fake SGLang servers on 127.0.0.1.")
     parser.add_argument("--n", type=int, default=1, help="how many servers")
     parser.add_argument("--step-s", type=float, default=0.002, help="seconds per decode step")
+    parser.add_argument("--vocab", type=int, default=1000, help="token ids are below this")
     args = parser.parse_args()
-    asyncio.run(_serve(args.n, args.step_s))
+    asyncio.run(_serve(args.n, args.step_s, args.vocab))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
+from tailcut.trace.events import EventKind, Tracer
 
 
 @dataclass
@@ -27,6 +27,9 @@ class Req:
     """Tool calls per turn, concurrent: each starts 0.5 ms and ends 1 ms after the previous."""
 
 
+_Record = tuple[float, EventKind, str | None, float, dict[str, Any]]
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -35,17 +38,16 @@ class _Clock:
         return self.t
 
 
-def _request_events(i: int, r: Req) -> list[tuple[float, EventKind, str, float, dict[str, Any]]]:
+def _request_events(i: int, r: Req) -> list[_Record]:
     wid = f"req-{i:06d}"
-    out: list[tuple[float, EventKind, str, float, dict[str, Any]]] = [
-        (r.start, EventKind.REQUEST_START, wid, 0.0, {"index": i, "group": i})
-    ]
+    out: list[_Record] = [(r.start, EventKind.REQUEST_START, wid, 0.0, {"index": i, "group": i})]
     for k, (t0, gen_end, tool_end) in enumerate(r.turns):
         out.append((t0, EventKind.TURN_START, wid, 0.0, {"turn": k}))
         if gen_end <= r.end:
             extra = {
                 "turn": k,
-                "request_id": f"rq-{i:021d}",
+                "engine_request_id": f"rq-{i:021d}",
+                "prompt_tokens": 20 + 30 * k,
                 "output_tokens": 5,
                 "finish_reason": "stop",
             }
@@ -62,7 +64,7 @@ def _request_events(i: int, r: Req) -> list[tuple[float, EventKind, str, float, 
             out.append((last, EventKind.TURN_END, wid, last - t0, {"turn": k}))
     n_turns = len(r.turns)
     if r.status == "aborted":
-        extra = {"request_id": f"rq-{i:021d}", "output_tokens": r.tokens, "turns": n_turns}
+        extra = {"engine_request_id": f"rq-{i:021d}", "output_tokens": r.tokens, "turns": n_turns}
         out.append((r.end, EventKind.REQUEST_ABORTED, wid, r.end, extra))
     elif r.status == "failed":
         extra = {"error": "RuntimeError: boom", "output_tokens": r.tokens}
@@ -93,7 +95,7 @@ def write_step(
             (
                 cut,
                 EventKind.CUTOFF,
-                STEP_WORKID,
+                None,
                 cut,
                 {"reason": "target", "done": done, "launched": n},
             )
@@ -103,12 +105,12 @@ def write_step(
         (
             step_end,
             EventKind.STEP_MONITORING,
-            STEP_WORKID,
+            None,
             cut if cut is not None else step_end,
             mon,
         )
     )
-    events.append((step_end, EventKind.STEP_TOTAL, STEP_WORKID, step_end, {}))
+    events.append((step_end, EventKind.STEP_TOTAL, None, step_end, {}))
     for t, kind, wid, dur, extra in sorted(events, key=lambda e: e[0]):
         clock.t = t
         tracer.emit(kind, wid, duration_sec=dur, **extra)

@@ -132,6 +132,8 @@ def test_code_calls_run_in_the_sandbox_and_errors_reach_the_model(
     for r in rows:
         assert r["rollout/failed"] == 0 and r["rollout/tool_calls"] > 0
         assert -2.0 <= r["reward/completed_mean"] <= 1.0  # DAPO ±1 plus the overlong penalty
+        assert -1.0 <= r["reward/overlong_penalty_mean"] <= 0.0
+        assert 0.0 <= r["reward/overlong_penalized_mean"] <= 1.0  # the fraction penalized
     statuses = _tool_calls(run)
     assert statuses["ok"] > statuses["code_error"] + statuses["parse_error"] > 0, statuses
     # What the model read: the sandbox's output, and the errors as tool messages.

@@ -23,6 +23,7 @@ import torch
 
 from fakes.fsdp_actor_driver import AGGS, fixed_batch, make_actor, run_case
 from tailcut.algo.loss import LossNorm
+from tailcut.train import checkpoint as ckpt
 from tailcut.train.distributed import Ranks
 from tailcut.train.partition import plan
 
@@ -154,12 +155,22 @@ def test_dcp_round_trip_and_resume_on_another_number_of_ranks(two: dict[str, Any
     assert s["metrics_a"] == s["metrics_b"]
     for name, p in s["params_a"].items():
         assert torch.equal(p, s["params_b"][name]), name
-    # 2 → 1: the gathered full state loaded on one rank continues as the two ranks did.
-    resumed = make_actor("token-mean", Ranks.single())
-    resumed.load_state_dict(copy.deepcopy(s["full"]))
-    m = resumed.update(fixed_batch(1))
-    assert_params_close(dict(resumed.model.state_dict()), s["params_a"])
-    assert m["train/loss"] == pytest.approx(s["metrics_a"]["train/loss"], rel=METRIC_RTOL)
+    # 2 → 1: the gathered full state, and the two ranks' DCP checkpoint, loaded on one rank
+    # continue as the two ranks did.
+    path = Path(s["dcp_checkpoint"])
+    manifest = ckpt.verify_checkpoint(path)
+    assert manifest is not None and manifest["actor"] == "sharded"
+    assert {"actor/__0_0.distcp", "actor/__1_0.distcp", "actor/.metadata"} <= set(manifest["files"])
+    for load in ("full", "dcp"):
+        resumed = make_actor("token-mean", Ranks.single())
+        if load == "full":
+            resumed.load_state_dict(copy.deepcopy(s["full"]))
+        else:
+            resumed.load_dcp(path / "actor")
+        assert (resumed.version, resumed.optimizer_steps) == (1, 4), load
+        m = resumed.update(fixed_batch(1))
+        assert_params_close(dict(resumed.model.state_dict()), s["params_a"])
+        assert m["train/loss"] == pytest.approx(s["metrics_a"]["train/loss"], rel=METRIC_RTOL)
     # 1 → 2: a one-rank full state loaded on two ranks continues as one rank does.
     alone = make_actor("token-mean", Ranks.single())
     alone.update(fixed_batch(0))

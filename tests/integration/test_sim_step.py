@@ -65,7 +65,7 @@ def test_target_count_cut_aborts_stragglers_and_the_engine_agrees(tmp_path):
     assert engine.tokens_after_abort == 0
     assert asyncio.run(engine.in_flight()) == []
     events = read_trace(tmp_path / "step_0" / "worker_0.jsonl")
-    terminal = sorted(e["workid"] for e in events if e["event"] in TERMINAL_EVENTS)
+    terminal = sorted(e["extra"]["request_id"] for e in events if e["event"] in TERMINAL_EVENTS)
     assert terminal == sorted(s.workid for s in res.samples)
 
 

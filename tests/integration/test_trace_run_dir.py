@@ -35,6 +35,11 @@ def test_report_and_perfetto_take_a_run_dir(tmp_path: Path, chat_tokenizer: Any)
     assert [s["label"] for s in payload["steps"]] == ["step_1", "step_2"]
     assert all(s["requests"] == 16 and s["aborted"] == 4 for s in payload["steps"])
     assert Path(payload["plot"]) == run / "completion_cdf.png"
+    assert Path(payload["step_plot"]) == run / "step_times.png"
+    (summary,) = payload["runs"]
+    assert (summary["steps"], summary["cut_steps"]) == (2, 2)
+    assert summary["wasted_tokens"] == sum(s["wasted_tokens"] for s in payload["steps"]) > 0
+    assert all(s["abort_to_idle_s"] is not None for s in payload["steps"])
     out = tmp_path / "trace.json"
     result = CliRunner().invoke(app, ["trace", "perfetto", str(run), "-o", str(out)])
     assert result.exit_code == 0, result.output

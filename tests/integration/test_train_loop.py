@@ -92,3 +92,23 @@ def test_kill_and_resume_gives_the_same_next_step(
     assert full[3]["train/loss"] != 0.0 and full[3]["rollout/aborted"] > 0
     for k in ("train/loss", "train/grad_norm", "batch/loss_tokens", "reward/completed_mean"):
         assert resumed[3][k] == full[3][k], k
+
+
+def test_length_aware_schedule_in_training(tmp_path: Path, chat_tokenizer: Any) -> None:
+    """``rollout.schedule.kind=spf`` in the training loop: allowing every trajectory in
+    (margin 1) is target-count itself, step for step; and on this fixture, whose lengths
+    follow each request's seed and not its prompt (no group, no history signal), even the
+    tightest schedule (margin 0, from launch) predicts everyone alike and holds no one: a
+    schedule without a signal costs nothing."""
+    cut = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25")
+    plain = _train(tiny_config(tmp_path / "plain", *cut), chat_tokenizer)
+    for name, margin, need in (("all", 1.0, 1.0), ("tight", 0.0, 0.0)):
+        got = _train(
+            tiny_config(tmp_path / name, *cut, "rollout.schedule.kind=spf",
+                        f"rollout.schedule.margin={margin}",
+                        f"rollout.schedule.need_ratio={need}"), chat_tokenizer,
+        )  # fmt: skip
+        for ra, rb in zip(plain[1:], got[1:], strict=True):
+            for k in ("train/loss", "batch/loss_tokens", "rollout/generated_tokens"):
+                assert ra[k] == rb[k], (name, ra["step"], k)
+            assert rb["batch/real_rows"] == 12

@@ -60,7 +60,7 @@ def test_every_request_ends_exactly_once(tmp_path_factory, scripts, policy, rati
     assert sum(res.counts.values()) == pol.n_launch
     assert set(res.kept) <= {s.index for s in res.samples if s.status is Status.COMPLETED}
     events = read_trace(run_dir / "step_0" / "worker_0.jsonl")
-    terminal = [e["workid"] for e in events if e["event"] in TERMINAL_EVENTS]
+    terminal = [e["extra"]["request_id"] for e in events if e["event"] in TERMINAL_EVENTS]
     assert sorted(terminal) == sorted(s.workid for s in res.samples)
     starts = [e for e in events if e["event"] == EventKind.REQUEST_START]
     assert len(starts) == pol.n_launch

@@ -8,7 +8,7 @@ from array import array
 import pytest
 
 from tailcut.chat.parser import format_tool_call
-from tailcut.chat.template import CHAT_TEMPLATE, decode, encode, render_ids
+from tailcut.chat.template import CHAT_TEMPLATE, decode, encode, render, render_ids
 from tailcut.chat.tokenize import (
     IncrementalChat,
     TemplateError,
@@ -75,28 +75,66 @@ def test_adding_tool_messages_one_by_one_is_reported_as_not_prefix_stable(chat_t
     assert len(chat.messages) == 4  # the offending message was not kept
 
 
-def test_a_template_that_rewrites_history_is_rejected_naming_the_message(chat_tokenizer):
+def test_a_template_that_rewrites_history_is_drift_or_rejected_naming_the_message(
+    chat_tokenizer,
+):
     counting = CHAT_TEMPLATE.replace(
         "{{- '<|im_start|>system\\n' + system_prompt -}}",
         "{{- '<|im_start|>system\\n' + system_prompt + ' (' + (messages | length | string) + ')' -}}",
     )
     assert counting != CHAT_TEMPLATE
-    chat = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs={"chat_template": counting})
+    kwargs = {"chat_template": counting}
+    strict = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs=kwargs, strict=True)
     with pytest.raises(
         TemplateError, match=r"not prefix-stable: adding message 2 \(role 'assistant'\)"
     ):
-        chat.add_assistant(_ids(chat_tokenizer, "4<|im_end|>"))
+        strict.add_assistant(_ids(chat_tokenizer, "4<|im_end|>"))
+    assert len(strict.messages) == 2
+    # Lenient (the agent loop's way): the sampled tokens stand, the rewrite is recorded,
+    # and a template that rewrites the history again on the next messages is refused.
+    chat = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs=kwargs)
+    assert chat.add_assistant(_ids(chat_tokenizer, "4<|im_end|>")) == "4"
+    assert [(d.message, d.kind) for d in chat.drift] == [(2, "history")]
+    assert chat.pending_text == "\n"
+    with pytest.raises(TemplateError, match=r"adding message 3 \(role 'tool'\)"):
+        chat.add_messages([{"role": "tool", "content": "4"}])
 
 
-def test_a_template_that_alters_assistant_text_is_rejected(chat_tokenizer):
+def test_a_trimming_template_keeps_the_sampled_spaces_and_records_the_drift(chat_tokenizer):
     trimming = CHAT_TEMPLATE.replace(
         "{{- message.content -}}{%- endif -%}{%- for call",
         "{{- message.content | trim -}}{%- endif -%}{%- for call",
     )
     assert trimming != CHAT_TEMPLATE
-    chat = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs={"chat_template": trimming})
+    kwargs = {"chat_template": trimming}
+    strict = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs=kwargs, strict=True)
     with pytest.raises(TemplateError, match=r"message 2 \(role 'assistant'\) verbatim"):
-        chat.add_assistant(_ids(chat_tokenizer, "4   <|im_end|>"))
+        strict.add_assistant(_ids(chat_tokenizer, "4   <|im_end|>"))
+    chat = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs=kwargs)
+    sampled = _ids(chat_tokenizer, "4   <|im_end|>")
+    assert chat.add_assistant(sampled) == "4   "
+    assert [(d.message, d.kind) for d in chat.drift] == [(2, "assistant")]
+    forced = chat.add_messages([{"role": "user", "content": "sure?"}])
+    assert (
+        decode(chat_tokenizer, forced)
+        == "\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # The template's own view: the spaces trimmed away, all else the same.
+    rendered = render(chat_tokenizer, chat.messages, add_generation_prompt=True, **kwargs)
+    assert rendered == decode(chat_tokenizer, chat.prompt_ids + sampled + forced).replace(
+        "4   <|im_end|>", "4<|im_end|>"
+    )
+
+
+def test_a_template_that_rewrites_a_cut_message_cannot_be_followed(chat_tokenizer):
+    shouting = CHAT_TEMPLATE.replace(
+        "{{- message.content -}}{%- endif -%}{%- for call",
+        "{{- message.content | upper -}}{%- endif -%}{%- for call",
+    )
+    chat = IncrementalChat(chat_tokenizer, PROMPT, template_kwargs={"chat_template": shouting})
+    with pytest.raises(TemplateError, match="cannot be told apart"):
+        chat.add_assistant(_ids(chat_tokenizer, "four"))  # cut: no end-of-turn token
+    assert len(chat.messages) == 2
 
 
 def test_two_assistant_messages_in_a_row_need_a_new_turn_in_between(chat_tokenizer):

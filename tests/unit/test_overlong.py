@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from tailcut.algo.metrics import rollout_metrics
 from tailcut.config import ConfigError
 from tailcut.reward.overlong import OverlongPenalty
 from tailcut.reward.registry import RewardFn
 from tailcut.train.config import load_train_config
-from tailcut.types import Sample
+from tailcut.types import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,9 +46,30 @@ def test_the_penalty_is_added_to_the_dapo_reward_and_recorded():
         return out
 
     (short, mid, long) = asyncio.run(main())
-    assert short == (1.0, {"acc": 1.0, "overlong_penalty": 0.0})
-    assert mid == (0.5, {"acc": 1.0, "overlong_penalty": -0.5})
-    assert long == (-2.0, {"acc": 0.0, "overlong_penalty": -1.0})
+    assert short == (1.0, {"acc": 1.0, "overlong_penalty": 0.0, "overlong_penalized": 0.0})
+    assert mid == (0.5, {"acc": 1.0, "overlong_penalty": -0.5, "overlong_penalized": 1.0})
+    assert long == (-2.0, {"acc": 0.0, "overlong_penalty": -1.0, "overlong_penalized": 1.0})
+
+
+def test_the_penalty_is_a_step_metric_over_the_finished_samples():
+    penalty = OverlongPenalty(max_tokens=64, buffer=16)
+    samples = []
+    for k, (n, status) in enumerate(
+        [
+            (10, Status.COMPLETED),
+            (56, Status.COMPLETED),
+            (64, Status.TRUNCATED),
+            (64, Status.ABORTED),
+        ]
+    ):
+        s = Sample(index=k, status=status)
+        if status is not Status.ABORTED:  # an aborted sample is never scored
+            s.reward = penalty.record(s.reward_info, n)
+        samples.append(s)
+    step = SimpleNamespace(samples=samples, step_time_s=1.0, cut_time_s=None, wasted_tokens=0)
+    m = rollout_metrics(step)
+    assert m["reward/overlong_penalty_mean"] == pytest.approx((0.0 - 0.5 - 1.0) / 3)
+    assert m["reward/overlong_penalized_mean"] == pytest.approx(2 / 3)  # fraction penalized
 
 
 def test_config_turns_it_on_and_refuses_a_buffer_that_leaves_nothing():

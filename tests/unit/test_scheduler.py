@@ -54,7 +54,7 @@ def test_wait_all_runs_to_the_longest_request(tmp_path):
     assert res.completed == 4 and res.kept == [0, 1, 2, 3]
     assert [s.generated_tokens for s in res.samples] == [5, 1, 9, 3]
     events = read_trace(tmp_path / "step_0" / "worker_0.jsonl")
-    terminal = [e["workid"] for e in events if e["event"] in TERMINAL_EVENTS]
+    terminal = [e["extra"]["request_id"] for e in events if e["event"] in TERMINAL_EVENTS]
     assert sorted(terminal) == sorted(s.workid for s in res.samples)
 
 

@@ -55,7 +55,7 @@ def test_plays_every_turn_and_tool_with_exact_times_and_token_layout(tmp_path):
     tools = [e for e in events if e["event"] == EventKind.TOOL_CALL]
     assert {e["extra"]["name"] for e in tools} == {TOOL_NAME}
     assert [e["duration_sec"] for e in tools] == pytest.approx([0.5, 0.25])
-    assert all(e["workid"] == sample.workid for e in events)
+    assert all(e["extra"]["request_id"] == sample.workid for e in events)
 
 
 def test_request_ids_are_fixed_length_and_unique():

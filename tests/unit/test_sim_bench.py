@@ -122,8 +122,8 @@ def test_trace_dir_gets_one_trace_per_policy(tmp_path):
     run_sim_bench(get_workload("seed-gsm8k"), SimEngineConfig(), opts)
     for name in POLICY_NAMES:
         events = read_trace(tmp_path / name / "step_0" / "worker_0.jsonl")
-        terminal = [e["workid"] for e in events if e["event"] in TERMINAL_EVENTS]
-        starts = [e["workid"] for e in events if e["event"] == "request_start"]
+        terminal = [e["extra"]["request_id"] for e in events if e["event"] in TERMINAL_EVENTS]
+        starts = [e["extra"]["request_id"] for e in events if e["event"] == "request_start"]
         assert sorted(terminal) == sorted(starts) and len(set(terminal)) == len(terminal)
 
 

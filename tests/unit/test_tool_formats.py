@@ -1,6 +1,6 @@
 """Tool-call formats of the families users train: hermes (Qwen), Llama 3.x JSON, Mistral
-``[TOOL_CALLS]``. Each parser on its own, then each inside the real agent loop on a small
-chat template of that family's format: well-formed calls run, malformed ones come back to
+``[TOOL_CALLS]``. Each parser on its own, then each inside the real agent loop on a chat
+template of that family (``chat_templates``: ChatML, Llama 3.1's and Mistral v3's behaviour): well-formed calls run, malformed ones come back to
 the model as tool messages (the trajectory goes on, never FAILED)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chat_templates import family_tokenizer
 from fakes.scripted_engine import ScriptCall, ScriptedEngine
 from tailcut.chat.parser import (
     PARSERS,
@@ -26,7 +27,7 @@ from tailcut.chat.parser import (
 )
 from tailcut.chat.parser_llama import format_llama3_call
 from tailcut.chat.parser_mistral import format_mistral_call
-from tailcut.chat.template import CHAT_TEMPLATE, decode
+from tailcut.chat.template import decode
 from tailcut.config import AgentLoopConfig
 from tailcut.rollout.agent_loop import AgentLoop
 from tailcut.tools.base import ToolSet
@@ -168,59 +169,9 @@ def test_no_parser_ever_raises(pieces):
 
 # -- each format in the agent loop, on a template of that family ---------------------------
 
-LLAMA_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- if messages[0].role == 'system' -%}{%- set sys = messages[0].content -%}"
-    "{%- set msgs = messages[1:] -%}{%- else -%}{%- set sys = '' -%}{%- set msgs = messages -%}"
-    "{%- endif -%}"
-    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}"
-    "{%- if tools -%}{{- 'Environment: ipython\\n' -}}{%- endif -%}"
-    "{{- sys + '<|eot_id|>' -}}"
-    "{%- for message in msgs -%}"
-    "{%- if message.role == 'user' and tools and loop.first -%}"
-    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please "
-    "respond with a JSON for a function call with its proper arguments that best answers the "
-    'given prompt.\\n\\nRespond in the format {"name": function name, "parameters": dictionary '
-    "of argument name and its value}. Do not use variables.\\n\\n' -}}"
-    "{%- for t in tools -%}{{- t | tojson(indent=4) + '\\n\\n' -}}{%- endfor -%}"
-    "{{- message.content + '<|eot_id|>' -}}"
-    "{%- elif message.role == 'tool' -%}"
-    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' -}}"
-    "{%- else -%}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content "
-    "+ '<|eot_id|>' -}}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
-"""Llama 3.1's layout: ipython tool role, JSON-call instructions in the first user turn."""
-
-MISTRAL_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- if messages[0].role == 'system' -%}{%- set sys = messages[0].content + '\\n\\n' -%}"
-    "{%- set msgs = messages[1:] -%}{%- else -%}{%- set sys = '' -%}{%- set msgs = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in msgs -%}"
-    "{%- if message.role == 'user' -%}"
-    "{%- if tools and loop.first -%}"
-    "{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}{%- endif -%}"
-    "{{- '[INST]' + (sys if loop.first else '') + message.content + '[/INST]' -}}"
-    "{%- elif message.role == 'assistant' and message.tool_calls -%}"
-    "{{- '[TOOL_CALLS]' + (message.tool_calls | map(attribute='function') | list | tojson) -}}"
-    "{{- eos_token -}}"
-    "{%- elif message.role == 'assistant' -%}{{- message.content + eos_token -}}"
-    "{%- elif message.role == 'tool' -%}"
-    "{{- '[TOOL_RESULTS]' + ({'content': message.content} | tojson) + '[/TOOL_RESULTS]' -}}"
-    "{%- endif -%}{%- endfor -%}"
-)
-"""Mistral v3's layout: [AVAILABLE_TOOLS], [INST], [TOOL_CALLS], [TOOL_RESULTS]."""
-
 FAMILIES: dict[str, dict[str, Any]] = {
     "hermes": {
-        "template": CHAT_TEMPLATE,
-        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "added": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
-        "bos": None, "eos": "<|im_end|>", "turn": "<|im_start|>assistant",
+        "eos": "<|im_end|>", "turn": "<|im_start|>assistant",
         "result": "<tool_response>\n42\n</tool_response>",
         "lead": "Let me compute.\n",
         "bad": '<tool_call>\n{"name": "calculator", "arguments": ["6 * 7"]}\n</tool_call>',
@@ -228,54 +179,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "hint": "<tool_call>",
     },
     "llama3_json": {
-        "template": LLAMA_TEMPLATE,
-        "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"],
-        "added": [],
-        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
-        "turn": "<|start_header_id|>assistant<|end_header_id|>",
-        "result": "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>",
+        "eos": "<|eot_id|>", "turn": "<|start_header_id|>assistant<|end_header_id|>",
+        "result": '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>',
         "lead": "",  # a Llama call is the whole message
         "bad": '{"name": "calculator", "parameters": {"expression": "6 * 7"',
         "good": "<|python_tag|>" + format_llama3_call("calculator", {"expression": "6 * 7"}),
         "hint": '"parameters"',
     },
     "mistral": {
-        "template": MISTRAL_TEMPLATE,
-        "special": ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
-                    "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
-        "added": [],
-        "bos": "<s>", "eos": "</s>", "turn": "</s>",
-        "result": '[TOOL_RESULTS]{"content": "42"}[/TOOL_RESULTS]',
+        "eos": "</s>", "turn": "</s>",
+        "result": '[TOOL_RESULTS] {"content": 42, "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]',
         "lead": "Let me compute. ",
         "bad": '[TOOL_CALLS]calculator{"expression": "6 * 7"}',
         "good": format_mistral_call("calculator", {"expression": "6 * 7"}, call_id="a1b2c3d4e"),
         "hint": "[TOOL_CALLS]",
     },
 }  # fmt: skip
-
-
-def family_tokenizer(family: str) -> Any:
-    """A small byte-level BPE with the family's control tokens and chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    spec = FAMILIES[family]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=spec["special"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    corpus = ["system user assistant tool calculator expression", "What is six times seven?"]
-    tok.train_from_iterator(corpus * 4, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["added"]])
-    extra = {"bos_token": spec["bos"]} if spec["bos"] else {}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=spec["eos"], chat_template=spec["template"],
-        clean_up_tokenization_spaces=False, **extra,
-    )  # fmt: skip
+"""Per format (its template and tokenizer: ``chat_templates``): what a turn of the script
+says and what the tool result looks like in the prompt."""
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -325,7 +246,9 @@ def test_a_malformed_call_is_a_tool_message_then_the_call_runs(family, parser):
     tools = [m for m in sample.messages if m["role"] == "tool"]
     assert tools[0]["content"].startswith("Error: could not parse tool call: ")
     assert spec["hint"] in tools[0]["content"]
-    assert tools[1] == {"role": "tool", "name": "calculator", "content": "42"}
+    assert {k: v for k, v in tools[1].items() if k != "tool_call_id"} == {
+        "role": "tool", "name": "calculator", "content": "42"
+    }  # fmt: skip
     # The tool result reached the model in the family's own layout, tokens masked out.
     last_prompt = decode(tok, engine.requests[-1].prompt_ids)
     assert spec["result"] in last_prompt

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tailcut.trace.events import EventKind, Tracer, _duration_json, read_trace
+from tailcut.trace.events import SCHEMA, EventKind, Tracer, _duration_json, read_trace
 
 EDGE_WALLS = [
     0.0,
@@ -30,14 +30,14 @@ EDGE_WALLS = [
 ]
 
 
-def _reference_line(tracer: Tracer, wall: float, kind, workid, duration, extra) -> str:
-    """How a line was written before: one json.dumps of the whole record."""
+def _reference_line(tracer: Tracer, wall: float, kind, request_id, duration, extra) -> str:
+    """The record as one json.dumps: the trajectory's id first in extra, the rank as workid."""
     record = {
         "timestamp": datetime.fromtimestamp(wall, UTC).isoformat(),
         "event": kind.value,
         "duration_sec": round(duration, 6),
-        "extra": extra,
-        "workid": workid,
+        "extra": extra if request_id is None else {"request_id": request_id, **extra},
+        "workid": tracer.rank,
         "step": tracer.step,
     }
     return json.dumps(record, separators=(",", ":"), default=str)
@@ -76,7 +76,7 @@ class _Opaque:
 EXTRAS = [
     {},
     {"turn": 3},
-    {"request_id": "sr12ab34-0000000000000007", "output_tokens": 412, "finish_reason": "stop"},
+    {"engine_request_id": "sr12ab34-00007", "output_tokens": 412, "finish_reason": "stop"},
     {"error": 'EngineError: "quoted" \\ back\nslash and ünïcödé ✓', "output_tokens": 0},
     {"status": None, "ok": True, "bad": False, "ratio": 0.1, "nan": math.nan, "inf": math.inf},
     {"color": _Color.RED, "obj": _Opaque(), "items": [1, 2.5, "x"], "nested": {"a": None}},
@@ -90,16 +90,20 @@ DURATIONS = [0.0, 1.23456789, 1e-9, 12345.6789012, 3, -0.0, math.nan, math.inf, 
 @pytest.mark.parametrize("duration", DURATIONS)
 def test_lines_are_exactly_the_json_of_the_record(tmp_path, extra, duration):
     now = [1_778_312_095.25]
-    tracer = Tracer(tmp_path / "t.jsonl", step=7, clock=lambda: now[0])
+    tracer = Tracer(tmp_path / "t.jsonl", step=7, clock=lambda: now[0], rank=3)
     tracer._anchor_wall = tracer._anchor_clock = 0.0  # wall time = the clock
     expected = []
-    for kind, workid, dt in [
-        (EventKind.TURN_END, "req-000001", 0.5),
-        (EventKind.REQUEST_FAILED, 'we"ird\u2028id', 0.0),
-    ]:
+    for n, (kind, request_id, dt) in enumerate(
+        [
+            (EventKind.TURN_END, "req-000001", 0.5),
+            (EventKind.REQUEST_FAILED, 'we"ird\u2028id', 0.0),
+            (EventKind.STEP_TOTAL, None, 0.25),
+        ]
+    ):
         now[0] += dt
-        tracer.emit(kind, workid, duration, **extra)
-        expected.append(_reference_line(tracer, now[0], kind, workid, duration, extra))
+        tracer.emit(kind, request_id, duration, **extra)
+        line_extra = {**extra, "schema": SCHEMA} if n == 0 else extra
+        expected.append(_reference_line(tracer, now[0], kind, request_id, duration, line_extra))
     tracer.close()
     assert (tmp_path / "t.jsonl").read_text(encoding="utf-8").splitlines() == expected
 
@@ -122,9 +126,10 @@ def test_one_key_extras_encoded_once_still_give_each_event_its_own_values(tmp_pa
     tracer = Tracer(tmp_path / "t.jsonl", step=0)
     extras = [{"turn": 1}, {"turn": 2}, {"turn": 1}, {"index": 1}, {"turn": True}, {"turn": 1.0}]
     for extra in extras:
-        tracer.emit(EventKind.STEP_TOTAL, "step", **extra)
+        tracer.emit(EventKind.STEP_TOTAL, None, **extra)
     tracer.close()
-    assert [r["extra"] for r in read_trace(tmp_path / "t.jsonl")] == extras
+    read = [r["extra"] for r in read_trace(tmp_path / "t.jsonl")]
+    assert read == [{**extras[0], "schema": SCHEMA}, *extras[1:]]
     text = (tmp_path / "t.jsonl").read_text()
     assert '"extra":{"turn":true}' in text and '"extra":{"turn":1.0}' in text
 

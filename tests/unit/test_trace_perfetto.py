@@ -91,7 +91,7 @@ def test_one_track_per_request_with_nested_slices(tmp_path):
 def test_terminal_status_is_in_args_and_cut_turn_is_marked(tmp_path):
     _step(tmp_path)
     trace = to_chrome_trace(load_run(tmp_path))
-    requests = {e["args"]["workid"]: e for e in _slices(trace) if e["cat"] == "request"}
+    requests = {e["args"]["request_id"]: e for e in _slices(trace) if e["cat"] == "request"}
     assert {k: e["name"] for k, e in requests.items()} == {
         "req-000000": "completed",
         "req-000001": "truncated",

@@ -70,7 +70,9 @@ def test_outlier_steps_stall_a_quarter_of_the_requests():
 
 
 def test_unknown_workload_names_the_known_ones():
-    with pytest.raises(WorkloadError, match="known: outlier, seed-gsm8k, skewed"):
+    with pytest.raises(
+        WorkloadError, match="known: no-signal, outlier, seed-gsm8k, skewed, strong-signal"
+    ):
         get_workload("nope")
 
 
@@ -172,3 +174,29 @@ def test_seed_gsm8k_matches_the_reference_durations_on_the_default_engine():
     assert lo <= (turns == 2).mean() <= hi
     for k, mean_s in ref["mean_s_by_turns"].items():
         assert d[turns == k].mean() == pytest.approx(mean_s, rel=0.15), f"{k} turns"
+
+
+def test_epochs_share_prompts_and_epoch_zero_is_unchanged():
+    from tailcut.bench.workloads import get_workload
+
+    w = get_workload("seed-gsm8k", 0)
+    now, before = w.trajectories(0, 64, 16), w.trajectories(0, 64, 16, epoch=-1)
+    assert [t.prompt for t in now] == [t.prompt for t in before]
+    assert [t.output_tokens for t in now] != [t.output_tokens for t in before]
+    assert now == w.trajectories(0, 64, 16, epoch=0)
+
+
+def test_strong_signal_epochs_correlate_and_no_signal_groups_do_not():
+    import numpy as np
+
+    from tailcut.bench.workloads import get_workload
+
+    def group_means(name: str, epoch: int) -> list[float]:
+        trajs = get_workload(name, 0).trajectories(0, 1024, 16, epoch=epoch)
+        logs = np.log([t.output_tokens for t in trajs]).reshape(64, 16)
+        return logs.mean(axis=1).tolist()
+
+    strong = np.corrcoef(group_means("strong-signal", 0), group_means("strong-signal", -1))
+    none = np.corrcoef(group_means("no-signal", 0), group_means("no-signal", -1))
+    assert strong[0, 1] > 0.7
+    assert abs(none[0, 1]) < 0.35

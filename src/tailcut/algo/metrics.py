@@ -28,6 +28,7 @@ from typing import Protocol
 
 from tailcut.algo.advantage import AdvantageResult
 from tailcut.algo.batch import TrainBatch
+from tailcut.algo.filter import FilterResult
 from tailcut.types import FINISHED, Sample, Status
 
 
@@ -166,13 +167,30 @@ def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str
         "rollout/tool_s_sum": tool_s,
         "rollout/generation_share": engine_s / (engine_s + tool_s) if engine_s + tool_s else 0.0,
     }
+    retries, recovered = getattr(step, "retries", 0), getattr(step, "recovered", 0)
+    out["rollout/retries"] = float(retries)
+    out["rollout/refilled"] = float(recovered)
+    out["rollout/failed_before_refill"] = float(status_count[Status.FAILED] + recovered)
     if step.cut_time_s is not None:
         out["rollout/cut_time_s"] = step.cut_time_s
     if n_keep_audit is not None:
         out["rollout/speedup_est"] = speedup_estimate(samples, n_keep_audit, step.step_time_s)
         out.update(audit_bias(samples, n_keep_audit))
     out.update(estimate_rewards(samples).as_metrics())
+    out.update(reward_info_metrics(samples))
     return out
+
+
+def reward_info_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """``reward/<key>_mean`` for each figure the reward functions put in ``reward_info``
+    (``acc``, ``tool/<name>``, ``overlong_penalty``, ``overlong_penalized``: the fraction
+    penalized): its mean over the finished samples that carry it."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        if s.status in FINISHED:
+            for key, value in s.reward_info.items():
+                values.setdefault(key, []).append(float(value))
+    return {f"reward/{key}_mean": _mean(v) for key, v in sorted(values.items())}
 
 
 def speedup_estimate(samples: Sequence[Sample], n_keep: int, wait_all_s: float) -> float:
@@ -203,6 +221,17 @@ def batch_metrics(batch: TrainBatch, adv: AdvantageResult) -> dict[str, float]:
         "adv/small_groups": float(adv.n_small_groups),
         "adv/zero_std_groups": float(adv.n_zero_std_groups),
         "adv/mean_group_size": adv.mean_group_size,
+    }
+
+
+def filter_metrics(result: FilterResult, gen_rounds: float) -> dict[str, float]:
+    """The group filter of one step (``algo.filter_groups``) and its extra launch rounds."""
+    return {
+        "batch/filtered_groups": float(result.filtered_groups),
+        "batch/surplus_groups": float(result.surplus_groups),
+        "batch/filtered_rows": float(result.filtered_rows),
+        "batch/informative_groups": float(result.kept_groups),
+        "batch/gen_rounds": float(gen_rounds),
     }
 
 

@@ -23,6 +23,7 @@ from typer.core import TyperGroup
 from tailcut.app.commands.bench import bench
 from tailcut.app.commands.data import data_app
 from tailcut.app.commands.model import model_app
+from tailcut.app.commands.replay import replay
 from tailcut.app.commands.rollout import rollout
 from tailcut.app.commands.sandbox import sandbox_app
 from tailcut.app.commands.trace import report, trace_app
@@ -135,6 +136,7 @@ app.command("train")(train)
 app.command("rollout")(rollout)
 app.command("bench")(bench)
 app.command("report")(report)
+app.command("replay")(replay)
 app.add_typer(trace_app, name="trace")
 app.add_typer(data_app, name="data")
 app.add_typer(model_app, name="model")

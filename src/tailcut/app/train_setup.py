@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tailcut.app.wiring import engine_for, model_dir
-from tailcut.config import AgentLoopConfig
+from tailcut.config import AgentLoopConfig, EngineConfig
 from tailcut.engine.base import Engine
 from tailcut.engine.hf.load import resolve_device
 from tailcut.reward.registry import RewardFn
@@ -20,7 +20,7 @@ from tailcut.rollout.step import RolloutFn
 from tailcut.tools.base import ToolSet
 from tailcut.train.actor import Actor
 from tailcut.train.config import DataConfig, TrainConfig
-from tailcut.train.distributed import Ranks
+from tailcut.train.distributed import RankError, Ranks
 from tailcut.train.trainer import TrainSetup
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -112,7 +112,19 @@ def make_actor(cfg: TrainConfig, path: Path, ranks: Ranks | None = None) -> Acto
         ref_model=ref,
         device=device,
         ranks=ranks,
+        vocab_rows=_sampled_rows(cfg, path),
     )
+
+
+def _sampled_rows(cfg: TrainConfig, path: Path) -> int | None:
+    """The rows the embedded engine samples from (its tokenizer's, or
+    ``engine.hf.vocab_rows``), so the actor's distribution is the engine's; servers sample
+    every row (None)."""
+    if cfg.engine.kind != "hf":
+        return None
+    from tailcut.engine.hf.load import tokenizer_rows
+
+    return cfg.engine.hf.vocab_rows or tokenizer_rows(path)
 
 
 def _exact_attention(path: Path) -> str:
@@ -153,6 +165,19 @@ def needs_engine_logprobs(cfg: TrainConfig) -> bool:
     return cfg.algo.old_logprobs == "engine" or cfg.algo.rollout_correction != "none"
 
 
+def rank_engine_config(cfg: EngineConfig, ranks: Ranks) -> EngineConfig:
+    """This rank's engine: the embedded one on the rank's device, or the rank's share of
+    the servers (``urls[rank::world]``: every server is driven, and synced, by one rank)."""
+    if cfg.kind in ("sglang", "vllm"):
+        if len(cfg.urls) < ranks.world:
+            raise RankError(
+                f"rank {ranks.rank}: engine.urls has {len(cfg.urls)} server(s) for "
+                f"{ranks.world} ranks; give at least one URL per rank"
+            )
+        return cfg.model_copy(update={"urls": cfg.urls[ranks.rank :: ranks.world]})
+    return cfg.model_copy(update={"device": str(ranks.device(cfg.device))})
+
+
 def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
     """The setup of this process (of this rank, in a job of several: its own engine on its
     own device, its shard of the actor)."""
@@ -160,8 +185,7 @@ def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
 
     ranks = ranks or Ranks.single()
     if ranks.distributed:
-        engine_cfg = cfg.engine.model_copy(update={"device": str(ranks.device(cfg.engine.device))})
-        cfg = cfg.model_copy(update={"engine": engine_cfg})
+        cfg = cfg.model_copy(update={"engine": rank_engine_config(cfg.engine, ranks)})
 
     path = model_dir(cfg.engine.model, "engine.model")
     if cfg.engine.kind == "hf":  # a model it cannot run: refused before anything is loaded

@@ -9,7 +9,10 @@ of the machine), and compared with the clairvoyant schedule and the analytic bou
 under test (see :mod:`tailcut.bench.sim_step`).
 
 A learning policy (``deadline``) first runs ``warmup_steps`` unmeasured steps of the same
-workload so it has a history, as it would in a training run.
+workload so it has a history, as it would in a training run; a scheduled one
+(``spf+...``, ``bench/scheduled.py``) plays ``warmup_steps`` earlier epochs of each
+measured step's prompts first, so its predictor has their history. Scheduled runs are
+measured against the same oracle as their cut-off policy.
 """
 
 from __future__ import annotations
@@ -31,15 +34,26 @@ from tailcut.bench.oracle import (
     oracle_s,
     simulate,
 )
+from tailcut.bench.scheduled import (
+    SCHEDULED,
+    base_policy,
+    bias_length,
+    learns,
+    make_admission,
+    play_history,
+    prediction_spearman,
+)
 from tailcut.bench.sim_step import ScaleCut, overhead_us_per_request, run_policy_step, scale_cut
 from tailcut.bench.workloads import REFERENCE, Trajectory, Workload
 from tailcut.config import CutoffConfig, SimEngineConfig
+from tailcut.rollout.admission import Admission
 from tailcut.rollout.cutoff import POLICIES, CutoffPolicy, make_policy
 from tailcut.rollout.step import StepResult
 from tailcut.types import FINISHED
 
-POLICY_NAMES = tuple(POLICIES)
-"""Every registered cut-off policy, in registry order."""
+POLICY_NAMES = (*POLICIES, *SCHEDULED)
+"""Every registered cut-off policy, in registry order, then the scheduled ones
+(``bench/scheduled.py``: a cut-off policy with shortest-predicted-first admission)."""
 WARMUP_STEP_BASE = 1_000_000
 """Warm-up steps draw workload steps from here on, apart from the measured ones."""
 
@@ -63,6 +77,11 @@ class BenchOptions:
     """Also cut a step with this many requests in flight (0: skip)."""
     scale_cut_at_s: float = 2.0
     """When (virtual s) that step is cut: early, while every request is still running."""
+    spf_margin: float = 0.05
+    """Scheduled policies: trajectories allowed beyond those still needed, as a fraction
+    of the over-sample (``rollout/spf.py``)."""
+    spf_need_ratio: float = 1.0
+    """Scheduled policies: ... and at least this many times those still needed."""
 
 
 @dataclass
@@ -85,6 +104,9 @@ class StepFigures:
     abort_to_idle_ms: float | None
     cut_to_settled_ms: float | None
     abort_rounds: int
+    bias_length: float = math.nan
+    prediction_spearman: float = math.nan
+    held_calls: int = 0
 
 
 @dataclass
@@ -106,6 +128,12 @@ class PolicyRow:
     bound_s: float
     launched: int
     kept: int
+    bias_length: float = math.nan
+    """Mean true output length of kept samples over that of all launched ones."""
+    prediction_spearman: float = math.nan
+    """Scheduled policies: rank correlation of predictions at launch with the truth."""
+    held_calls: int = 0
+    """Scheduled policies: engine calls held back by the schedule."""
 
 
 @dataclass
@@ -135,6 +163,7 @@ def cutoff_config(policy: str, target_fraction: float) -> CutoffConfig:
 
 def build_policy(name: str, opts: BenchOptions) -> CutoffPolicy:
     n = opts.requests
+    name = base_policy(name)
     if name == "group-quota":
         n = max(opts.group_size, n - n % opts.group_size)
     return make_policy(cutoff_config(name, opts.target_fraction), n, opts.group_size)
@@ -210,6 +239,7 @@ def measure_step(
     pools: _Pools,
     step: int,
     opts: BenchOptions,
+    admission: Admission | None = None,
 ) -> StepFigures:
     pool = list(pools.trajectories[: policy.n_launch])
     run_dir = None if opts.trace_dir is None else Path(opts.trace_dir) / name
@@ -220,9 +250,15 @@ def measure_step(
         run_dir=run_dir,
         step=step,
         abort_deadline_s=opts.abort_deadline_s,
+        admission=admission,
     )
-    pools.record(len(pool), res)
+    if admission is None:  # a held request changes the run before the cut: no uncut prefix
+        pools.record(len(pool), res)
     figs = _step_figures(name, step, res, engine_wasted, after_abort)
+    figs.bias_length = bias_length(pool, res.kept)
+    if admission is not None:
+        figs.held_calls = admission.held_calls
+        figs.prediction_spearman = prediction_spearman(admission, pool)
     del res  # the step's samples and token arrays go before the oracle's simulations run
     group_size = opts.group_size if name == "group-quota" else None
     figs.oracle_s = pools.oracle_s(len(pool), figs.kept, group_size)
@@ -306,6 +342,9 @@ def aggregate(name: str, figs: Sequence[StepFigures], overhead: float | None) ->
         bound_s=sum(f.bound_s for f in figs) / n,
         launched=sum(f.launched for f in figs),
         kept=kept,
+        bias_length=sum(f.bias_length for f in figs) / n,
+        prediction_spearman=sum(f.prediction_spearman for f in figs) / n,
+        held_calls=sum(f.held_calls for f in figs),
     )
 
 
@@ -335,6 +374,7 @@ def run_sim_bench(
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICY_NAMES)}")
     policies = {name: build_policy(name, opts) for name in opts.policies}
+    admissions = {name: make_admission(name, opts) for name in opts.policies}
     for name, policy in policies.items():
         if name == "deadline":
             _warm_up(policy, workload, opts, engine_cfg)
@@ -346,7 +386,10 @@ def run_sim_bench(
         trajs = workload.trajectories(step, widest, opts.group_size)
         pools = _Pools(trajs, engine_cfg)
         for name, policy in policies.items():
-            figs[name].append(measure_step(name, policy, pools, step, opts))
+            admission = admissions[name]
+            if admission is not None and learns(name):
+                play_history(policy, admission, workload, step, opts, engine_cfg)
+            figs[name].append(measure_step(name, policy, pools, step, opts, admission))
         if step == 0:
             calib = calibration(pools.uncut(opts.requests))
             first_trajs = trajs
@@ -354,7 +397,7 @@ def run_sim_bench(
     for name in policies:
         overhead = (
             overhead_us_per_request(build_policy(name, opts), first_trajs)
-            if opts.overhead
+            if opts.overhead and name not in SCHEDULED  # measured without the admission
             else None
         )
         rows.append(aggregate(name, figs[name], overhead))

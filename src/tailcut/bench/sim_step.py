@@ -25,6 +25,7 @@ from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
 from tailcut.config import SimEngineConfig
 from tailcut.engine.base import BaseEngine
 from tailcut.engine.sim import SimEngine, placeholder_result
+from tailcut.rollout.admission import Admission
 from tailcut.rollout.cutoff import CutoffPolicy, Deadline
 from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.scripted import ScriptedRollout
@@ -102,6 +103,7 @@ async def _step_async(
     run_dir: Path | None,
     step: int,
     abort_deadline_s: float,
+    admission: Admission | None = None,
 ) -> tuple[StepResult, int, int]:
     loop = asyncio.get_running_loop()
     engine = SimEngine(engine_cfg)
@@ -114,6 +116,7 @@ async def _step_async(
             policy,
             tracer,
             abort_deadline_s=abort_deadline_s,
+            admission=admission,
         )
     finally:
         if tracer is not NULL_TRACER:
@@ -130,11 +133,13 @@ def run_policy_step(
     run_dir: Path | None = None,
     step: int = 0,
     abort_deadline_s: float = 5.0,
+    admission: Admission | None = None,
 ) -> tuple[StepResult, int, int]:
     """One step of ``policy`` on a fresh engine and virtual loop:
-    (result, engine-counted wasted tokens, tokens generated after an abort)."""
+    (result, engine-counted wasted tokens, tokens generated after an abort). With
+    ``admission``, engine calls are held by its schedule (``rollout/admission.py``)."""
     return run_virtual_result(
-        _step_async(policy, trajectories, engine_cfg, run_dir, step, abort_deadline_s)
+        _step_async(policy, trajectories, engine_cfg, run_dir, step, abort_deadline_s, admission)
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +51,8 @@ class Trajectory:
     group: int = 0
     prompt_tokens: int = 128
     step: int = 0
+    prompt: int = -1
+    """The prompt's identity across steps and epochs (-1: unknown; the group stands in)."""
 
     @property
     def output_tokens(self) -> int:
@@ -65,8 +67,10 @@ class Workload(Protocol):
     @property
     def name(self) -> str: ...
 
-    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
-        """The first ``n`` requests of ``step`` (groups of ``group_size`` share a prompt)."""
+    def trajectories(self, step: int, n: int, group_size: int, epoch: int = 0) -> list[Trajectory]:
+        """The first ``n`` requests of ``step`` (groups of ``group_size`` share a prompt).
+        ``epoch`` != 0: the same prompts in another pass over the data set (fresh samples;
+        how much of a prompt's difficulty carries over is the workload's ``epoch_corr``)."""
         ...
 
 
@@ -112,6 +116,9 @@ class TurnMixParams:
     tool_tokens: int
     prompt_tokens: int
     max_turn_tokens: int = 4096
+    epoch_corr: float = 0.0
+    """Correlation of a prompt's log-difficulty between two epochs (0: each pass draws it
+    afresh, so history says nothing; 1: a fixed property of the prompt)."""
 
 
 SEED_GSM8K = TurnMixParams(
@@ -135,11 +142,25 @@ take 1,500 tokens per trajectory on average and up to ~12,000 in the tail, where
 has drained and a sequence gets ~240 tokens/s."""
 
 
+PROMPT_STRIDE = 1_000_000
+"""Prompt id of group ``g`` of step ``s``: ``s · PROMPT_STRIDE + g`` (the same every epoch)."""
+_EPOCH_TAG = 7919
+"""Seeds epoch e != 0 of a group apart from epoch 0's, which are those of before."""
+
+
 def generate_group(
-    p: TurnMixParams, rng: np.random.Generator, size: int, group: int, step: int
+    p: TurnMixParams,
+    rng: np.random.Generator,
+    size: int,
+    group: int,
+    step: int,
+    z_difficulty: float | None = None,
 ) -> list[Trajectory]:
-    """One GRPO group: members share the prompt and its difficulty, not their turns."""
-    difficulty = math.exp(p.group_sigma * rng.standard_normal())
+    """One GRPO group: members share the prompt and its difficulty, not their turns.
+    ``z_difficulty``: the prompt's standard-normal difficulty draw (None: the group's
+    first draw, as epoch 0 always did; the draw is consumed either way)."""
+    z = rng.standard_normal()
+    difficulty = math.exp(p.group_sigma * (z if z_difficulty is None else z_difficulty))
     mix = np.asarray(p.turn_mix, dtype=float)
     n_turns = rng.choice(len(mix), size=size, p=mix / mix.sum()) + 1
     own = np.exp(p.request_sigma * rng.standard_normal(size))
@@ -160,8 +181,29 @@ def generate_group(
                     tool_tokens=0 if last else p.tool_tokens,
                 )
             )
-        out.append(Trajectory(tuple(turns), group=group, prompt_tokens=p.prompt_tokens, step=step))
+        out.append(
+            Trajectory(
+                tuple(turns),
+                group=group,
+                prompt_tokens=p.prompt_tokens,
+                step=step,
+                prompt=step * PROMPT_STRIDE + group,
+            )
+        )
     return out
+
+
+def epoch_difficulty(p: TurnMixParams, seed: int, step: int, group: int, epoch: int) -> float:
+    """The prompt's standard-normal difficulty draw in ``epoch``: epoch 0's own draw,
+    mixed with a fresh one by ``epoch_corr`` in any other epoch."""
+    z0 = float(np.random.default_rng([seed, step, group]).standard_normal())
+    if epoch == 0:
+        return z0
+    fresh = float(
+        np.random.default_rng([seed, step, group, _EPOCH_TAG, epoch % 2**32, 1]).standard_normal()
+    )
+    rho = p.epoch_corr
+    return rho * z0 + math.sqrt(max(0.0, 1.0 - rho * rho)) * fresh
 
 
 @dataclass(frozen=True)
@@ -174,13 +216,18 @@ class GeneratedWorkload:
     modify: Callable[[int, int, list[Trajectory]], list[Trajectory]] | None = None
     """Optional per-(step, group) rewrite, e.g. to inject outliers."""
 
-    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
+    def trajectories(self, step: int, n: int, group_size: int, epoch: int = 0) -> list[Trajectory]:
         if n < 0 or group_size < 1:
             raise WorkloadError(f"{self.name}: bad request count {n} / group size {group_size}")
         out: list[Trajectory] = []
         for g in range(-(-n // group_size)):
-            rng = np.random.default_rng([self.seed, step, g])
-            group = generate_group(self.params, rng, group_size, g, step)
+            if epoch == 0:  # exactly the draws of before: the calibration holds as it was
+                rng = np.random.default_rng([self.seed, step, g])
+                group = generate_group(self.params, rng, group_size, g, step)
+            else:
+                rng = np.random.default_rng([self.seed, step, g, _EPOCH_TAG, epoch % 2**32])
+                z = epoch_difficulty(self.params, self.seed, step, g, epoch)
+                group = generate_group(self.params, rng, group_size, g, step, z)
             if self.modify is not None:
                 group = self.modify(step, g, group)
             out.extend(group)
@@ -197,6 +244,7 @@ def _skew(step: int, group: int, trajs: list[Trajectory]) -> list[Trajectory]:
             t.group,
             t.prompt_tokens,
             t.step,
+            t.prompt,
         )
         for t in trajs
     ]
@@ -218,11 +266,40 @@ def _outlier_every(period: int, hang_s: float, share: float) -> Callable[..., li
                 continue
             first = t.turns[0]
             stuck = TurnSpec(first.output_tokens, first.tool_s + hang_s, first.tool_tokens)
-            out.append(Trajectory((stuck, *t.turns[1:]), t.group, t.prompt_tokens, t.step))
+            out.append(
+                Trajectory((stuck, *t.turns[1:]), t.group, t.prompt_tokens, t.step, t.prompt)
+            )
         return out
 
     return modify
 
+
+NO_SIGNAL = replace(
+    SEED_GSM8K,
+    group_sigma=0.0,
+    request_sigma=math.hypot(SEED_GSM8K.request_sigma, SEED_GSM8K.group_sigma),
+    epoch_corr=0.0,
+)
+"""seed-gsm8k with no group or history signal: a prompt's members and epochs share nothing
+(the group's share of the spread moved into each request's own, so lengths are spread as
+before). A control, not a measurement: the floor of what a predictor can use."""
+
+STRONG_SIGNAL = replace(
+    SEED_GSM8K,
+    # Seer (Qin et al., arXiv:2511.14617, 2025) reports from production RL rollouts that
+    # requests sharing a prompt have strongly similar output lengths, and schedules a
+    # group on its first finished member. Its abstract states the finding, not a
+    # coefficient, so the strength here is the strong end of that claim, not a fit: most
+    # of seed-gsm8k's per-request log-length spread (0.52² + 0.3²) moved onto the prompt,
+    # σ_group 0.55 and σ_request 0.25 (the prompt's share of the log-variance 0.83,
+    # seed-gsm8k's 0.25).
+    group_sigma=0.55,
+    request_sigma=0.25,
+    # Seer learns a prompt's length profile online and reuses it; 0.9 takes that reuse to
+    # hold almost whole from one epoch to the next (same caveat: no published coefficient).
+    epoch_corr=0.9,
+)
+"""The strong end: lengths are mostly the prompt's and persist across epochs."""
 
 WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "seed-gsm8k": lambda seed: GeneratedWorkload("seed-gsm8k", SEED_GSM8K, seed),
@@ -230,10 +307,15 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "outlier": lambda seed: GeneratedWorkload(
         "outlier", SEED_GSM8K, seed, _outlier_every(4, 150.0, 0.24)
     ),
+    "no-signal": lambda seed: GeneratedWorkload("no-signal", NO_SIGNAL, seed),
+    "strong-signal": lambda seed: GeneratedWorkload("strong-signal", STRONG_SIGNAL, seed),
 }
 """Named workloads. ``skewed``: a quarter of the prompts are 3× harder (per-group
 difficulty). ``outlier``: seed-gsm8k, but every 4th step a quarter of the requests hang
-150 s in a tool call."""
+150 s in a tool call. ``no-signal`` / ``strong-signal``: seed-gsm8k's turn mix and
+spread, with nothing / most of it shared by a prompt's members and epochs (the yardsticks
+of length-aware scheduling). seed-gsm8k's prompts keep their calibrated group spread and
+draw their difficulty afresh each epoch (``epoch_corr`` 0: no history signal is claimed)."""
 
 
 def get_workload(name: str, seed: int = 0) -> Workload:
@@ -338,7 +420,9 @@ class LengthsFileWorkload:
             )
         return self.steps[step]
 
-    def trajectories(self, step: int, n: int, group_size: int) -> list[Trajectory]:
+    def trajectories(self, step: int, n: int, group_size: int, epoch: int = 0) -> list[Trajectory]:
+        if epoch != 0:
+            raise WorkloadError(f"lengths file {self.path} holds one epoch (asked for {epoch})")
         rows = self._step(step)
         explicit = [g for g, _ in rows if g is not None]
         first_new = max(explicit) + 1 if explicit else -(-len(rows) // group_size)
@@ -375,7 +459,7 @@ def make_samples(trajectories: Sequence[Trajectory]) -> list[Sample]:
             index=i,
             group=t.group,
             prompt_ids=token_array([1 + (t.group % 997)]) * t.prompt_tokens,
-            data={"trajectory": t},
+            data={"trajectory": t, "prompt_id": t.prompt if t.prompt >= 0 else None},
         )
         for i, t in enumerate(trajectories)
     ]

@@ -58,6 +58,10 @@ def format_mistral_call(
 class MistralParser:
     """Mistral ``[TOOL_CALLS]`` calls in either layout (module docstring)."""
 
+    structured_history = True
+    """Assistant turns enter the conversation as ``tool_calls`` with 9-character ids, which
+    Mistral's templates require (:mod:`tailcut.chat.history`)."""
+
     def __init__(self, max_call_chars: int = 16_384) -> None:
         self.max_call_chars = max_call_chars
 

@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from tailcut.chat.parser import format_tool_call
+from tailcut.data import synth
+from tailcut.data.synth import AGENT_NAME as AGENT_NAME
+from tailcut.data.synth import ANSWER_STYLES as ANSWER_STYLES
+from tailcut.data.synth import SPLITS as SPLITS
 from tailcut.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
 from tailcut.tools.calculator import TOOL_NAME
-from tailcut.tools.registry import TOOLS
 
 DATA_SOURCE = "tailcut/arith"
 SYSTEM_PROMPT = (
@@ -74,10 +77,7 @@ class Problem:
     @property
     def values(self) -> list[int]:
         """The running value after the start and after each step."""
-        out = [self.start]
-        for step in self.steps:
-            out.append(apply(out[-1], step.op, step.operand))
-        return out
+        return synth.running_values(self.start, self.steps, lambda v, s: apply(v, s.op, s.operand))
 
     @property
     def answer(self) -> int:
@@ -117,17 +117,13 @@ class TaskConfig:
     max_operand: int = 9
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_steps <= len(ORDINALS):
-            raise ValueError(f"max_steps must be in 1..{len(ORDINALS)}, got {self.max_steps}")
-        if not 0.0 <= self.tail_alpha <= 10.0:
-            raise ValueError(f"tail_alpha must be in 0..10, got {self.tail_alpha}")
+        synth.check_tail(self.max_steps, self.tail_alpha, len(ORDINALS))
         if not 2 <= self.max_start <= 500 or not 2 <= self.max_operand <= 500:
             raise ValueError("max_start and max_operand must be in 2..500")
 
 
 def sample_num_steps(rng: random.Random, cfg: TaskConfig) -> int:
-    ks = range(1, cfg.max_steps + 1)
-    return rng.choices(ks, weights=[k**-cfg.tail_alpha for k in ks])[0]
+    return synth.draw_num_steps(rng, cfg.max_steps, cfg.tail_alpha)
 
 
 def _step(rng: random.Random, value: int, ordinal: str, cfg: TaskConfig) -> Step:
@@ -198,37 +194,21 @@ def tool_call_text(expr: str) -> str:
     return format_tool_call(TOOL_NAME, {"expression": expr})
 
 
-ANSWER_STYLES = ("strict", "plain")
-"""How a solution states its answer: ``#### N`` (what the reward accepts) or in words."""
-
-
 def answer_text(value: int, style: str = "strict") -> str:
-    if style == "strict":
-        return f"#### {value}"
-    if style == "plain":
-        return f"The answer is {value}."
-    raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+    """``#### N`` (what the reward accepts) or the answer in words."""
+    return synth.answer_text(value, style, "#### {}")
 
 
 def solution_messages(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
     """The reference solution: one assistant + tool message pair per step, then the answer
-    (``#### N``, or ``The answer is N.`` with ``style="plain"``).
-
-    Assistant messages carry their tool call as text, exactly as the model writes it, so
-    rendering them with the chat template gives the token stream the model is trained on.
-    """
-    out: list[dict[str, Any]] = []
+    (``#### N``, or ``The answer is N.`` with ``style="plain"``); see
+    :func:`tailcut.data.synth.solution_messages`."""
     values = problem.values
-    for i, step in enumerate(problem.steps):
-        out.append(
-            {
-                "role": "assistant",
-                "content": f"{step.sentence}\n{tool_call_text(expression(values[i], step))}",
-            }
-        )
-        out.append({"role": "tool", "content": str(values[i + 1])})
-    out.append({"role": "assistant", "content": answer_text(problem.answer, style)})
-    return out
+    turns = [
+        f"{step.sentence}\n{tool_call_text(expression(values[i], step))}"
+        for i, step in enumerate(problem.steps)
+    ]
+    return synth.solution_messages(turns, values, answer_text(problem.answer, style))
 
 
 def conversation(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
@@ -236,9 +216,6 @@ def conversation(problem: Problem, style: str = "strict") -> list[dict[str, Any]
 
 
 # -- verl-format rows ----------------------------------------------------------------
-
-SPLITS = ("train", "test")
-AGENT_NAME = "tool_agent"
 
 
 def make_row(problem: Problem, split: str, index: int) -> dict[str, Any]:
@@ -267,38 +244,21 @@ def make_row(problem: Problem, split: str, index: int) -> dict[str, Any]:
 
 def tool_config() -> dict[str, Any]:
     """verl's tool-config YAML content for the calculator."""
-    return {
-        "tools": [
-            {
-                "class_name": TOOLS[TOOL_NAME],
-                "config": {"type": "native", "timeout": 5},
-                "tool_schema": CALCULATOR_SCHEMA,
-            }
-        ]
-    }
+    return synth.tool_config(TOOL_NAME, CALCULATOR_SCHEMA, timeout=5)
 
 
 def split_seed(seed: int, split: str) -> int:
     """Each split draws from its own stream (train and test never share a generator)."""
-    return seed * 1000 + SPLITS.index(split) + 17
+    return synth.split_seed(seed, split, 17)
 
 
 def write_dataset(
     out: Path, n_train: int, n_test: int, seed: int, task: Any = None
 ) -> dict[str, int]:
     """Write ``train.parquet``, ``test.parquet`` and ``tools.yaml`` into ``out``."""
-    import yaml
 
-    from tailcut.data.verl import write_rows
+    def rows(split: str, n: int) -> list[dict[str, Any]]:
+        problems = generate_problems(split_seed(seed, split), n, task)
+        return [make_row(p, split, i) for i, p in enumerate(problems)]
 
-    out = Path(out)
-    counts = {"train": n_train, "test": n_test}
-    for split in SPLITS:
-        problems = generate_problems(split_seed(seed, split), counts[split], task)
-        write_rows(
-            [make_row(p, split, i) for i, p in enumerate(problems)], out / f"{split}.parquet"
-        )
-    (out / "tools.yaml").write_text(
-        yaml.safe_dump(tool_config(), sort_keys=False), encoding="utf-8"
-    )
-    return counts
+    return synth.write_dataset(out, {"train": n_train, "test": n_test}, rows, tool_config())

@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from tailcut.chat.parser import format_tool_call
+from tailcut.data import synth
+from tailcut.data.synth import AGENT_NAME as AGENT_NAME
+from tailcut.data.synth import ANSWER_STYLES as ANSWER_STYLES
+from tailcut.data.synth import SPLITS as SPLITS
 from tailcut.tools.code_interpreter import SCHEMA as CODE_SCHEMA
 from tailcut.tools.code_interpreter import TOOL_NAME
-from tailcut.tools.registry import TOOLS
 
 DATA_SOURCE = "math_dapo"
-AGENT_NAME = "tool_agent"
 REWARD_STYLE = "rule-lighteval/MATH_v2"
 PROMPT_HEAD = (
     "Solve the following math problem step by step. The last line of your response should "
@@ -53,7 +55,6 @@ PROMPT_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "Eighth")
 MAX_VALUE = 999
-SPLITS = ("train", "test")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +142,7 @@ class Problem:
     @property
     def values(self) -> list[int]:
         """``n`` at the start and after each step."""
-        out = [self.start]
-        for step in self.steps:
-            out.append(step.apply(out[-1]))
-        return out
+        return synth.running_values(self.start, self.steps, lambda n, step: step.apply(n))
 
     @property
     def answer(self) -> int:
@@ -169,10 +167,7 @@ class TaskConfig:
     max_start: int = 300
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_steps <= len(ORDINALS):
-            raise ValueError(f"max_steps must be in 1..{len(ORDINALS)}, got {self.max_steps}")
-        if not 0.0 <= self.tail_alpha <= 10.0:
-            raise ValueError(f"tail_alpha must be in 0..10, got {self.tail_alpha}")
+        synth.check_tail(self.max_steps, self.tail_alpha, len(ORDINALS))
         if not 3 <= self.max_start <= MAX_VALUE:
             raise ValueError(f"max_start must be in 3..{MAX_VALUE}, got {self.max_start}")
 
@@ -186,8 +181,7 @@ def _step(rng: random.Random, n: int) -> Step:
 
 def generate_problem(rng: random.Random, cfg: TaskConfig | None = None) -> Problem:
     cfg = cfg or TaskConfig()
-    ks = range(1, cfg.max_steps + 1)
-    k = rng.choices(ks, weights=[j**-cfg.tail_alpha for j in ks])[0]
+    k = synth.draw_num_steps(rng, cfg.max_steps, cfg.tail_alpha)
     start = rng.randint(3, cfg.max_start)
     steps: list[Step] = []
     n = start
@@ -217,29 +211,20 @@ def tool_call_text(program: str) -> str:
     return format_tool_call(TOOL_NAME, {"code": program})
 
 
-ANSWER_STYLES = ("strict", "plain")
-
-
 def answer_text(value: int, style: str = "strict") -> str:
     """``Answer: N`` (what the DAPO reward reads) or the answer in words (scored −1)."""
-    if style == "strict":
-        return f"Answer: {value}"
-    if style == "plain":
-        return f"The answer is {value}."
-    raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+    return synth.answer_text(value, style, "Answer: {}")
 
 
 def solution_messages(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
     """One assistant (line + code call) and tool (the printed value) pair per step, then the
-    answer; tool calls are in the assistant text, as the model writes them."""
-    out: list[dict[str, Any]] = []
+    answer (:func:`tailcut.data.synth.solution_messages`)."""
     values = problem.values
-    for i, step in enumerate(problem.steps):
-        call = tool_call_text(step.program(values[i]))
-        out.append({"role": "assistant", "content": f"{step.sentence(ORDINALS[i])}\n{call}"})
-        out.append({"role": "tool", "content": str(values[i + 1])})
-    out.append({"role": "assistant", "content": answer_text(problem.answer, style)})
-    return out
+    turns = [
+        f"{step.sentence(ORDINALS[i])}\n{tool_call_text(step.program(values[i]))}"
+        for i, step in enumerate(problem.steps)
+    ]
+    return synth.solution_messages(turns, values, answer_text(problem.answer, style))
 
 
 def conversation(problem: Problem, style: str = "strict") -> list[dict[str, Any]]:
@@ -269,37 +254,21 @@ def make_row(problem: Problem, split: str, index: int, seed: int = 0) -> dict[st
 
 def tool_config() -> dict[str, Any]:
     """verl's tool-config YAML content for the code tool on the local sandbox."""
-    return {
-        "tools": [
-            {
-                "class_name": TOOLS[TOOL_NAME],
-                "config": {"type": "native", "timeout": 30, "backend": "local"},
-                "tool_schema": CODE_SCHEMA,
-            }
-        ]
-    }
+    return synth.tool_config(TOOL_NAME, CODE_SCHEMA, timeout=30, backend="local")
 
 
 def split_seed(seed: int, split: str) -> int:
     """Each split draws from its own stream (train and test never share a generator)."""
-    return seed * 1000 + SPLITS.index(split) + 29
+    return synth.split_seed(seed, split, 29)
 
 
 def write_dataset(
     out: Path, n_train: int, n_test: int, seed: int, task: TaskConfig | None = None
 ) -> dict[str, int]:
     """Write ``train.parquet``, ``test.parquet`` and ``tools.yaml`` into ``out``."""
-    import yaml
 
-    from tailcut.data.verl import write_rows
+    def rows(split: str, n: int) -> list[dict[str, Any]]:
+        problems = generate_problems(split_seed(seed, split), n, task)
+        return [make_row(p, split, i, seed) for i, p in enumerate(problems)]
 
-    out = Path(out)
-    counts = {"train": n_train, "test": n_test}
-    for split in SPLITS:
-        problems = generate_problems(split_seed(seed, split), counts[split], task)
-        rows = [make_row(p, split, i, seed) for i, p in enumerate(problems)]
-        write_rows(rows, out / f"{split}.parquet")
-    (out / "tools.yaml").write_text(
-        yaml.safe_dump(tool_config(), sort_keys=False), encoding="utf-8"
-    )
-    return counts
+    return synth.write_dataset(out, {"train": n_train, "test": n_test}, rows, tool_config())

@@ -15,6 +15,16 @@ Semantics every adapter must meet (tested by ``tests/contract``):
 
 Adapters subclass :class:`BaseEngine` and implement ``_generate``; the cancel-to-abort
 rule lives here once.
+
+Colocation (optional, :class:`ReleasesMemory`): an engine sharing a GPU with the trainer
+may hand its memory back while the actor trains: ``release_memory(tags)`` /
+``resume_memory(tags)``, tags from :data:`MEMORY_TAGS` (SGLang's names; None: all).
+Releasing needs an idle engine (refused otherwise); while anything is released,
+``generate`` is refused with an :class:`EngineError` that says so (a request never waits
+on memory the trainer holds). Both return a :class:`MemoryReport`. Engines that cannot
+release memory do not have these methods: :func:`release_for_training` and
+:func:`resume_for_rollout` then do nothing and return None (the sim engine holds no
+device memory; the vLLM adapter does not drive vLLM's sleep mode).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from tailcut.errors import TailcutError
 from tailcut.types import GenerateRequest, GenerateResult
@@ -63,6 +73,85 @@ class EngineStats:
     """Tokens generated for a request after its abort was received (must be 0)."""
     kv_blocks_in_use: int = -1
     kv_blocks_total: int = -1
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""What an engine can release: its KV cache, its weights, its captured CUDA graphs."""
+
+ReleaseMode = Literal["none", "kv", "kv+weights"]
+RELEASE_TAGS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "kv": ("kv_cache", "cuda_graph"),
+    "kv+weights": MEMORY_TAGS,
+}
+"""``engine.release_between_steps`` → the tags released while the actor trains."""
+
+
+@dataclass(slots=True)
+class MemoryReport:
+    """What one ``release_memory`` / ``resume_memory`` call did (-1 = unknown)."""
+
+    tags: tuple[str, ...]
+    seconds: float
+    kv_cache_bytes: int = -1
+    """KV-cache bytes freed (release) or allocated again (resume)."""
+    weight_bytes: int = -1
+    """Weight bytes moved to host memory (release) or back to the device (resume)."""
+    graphs: int = -1
+    """CUDA graphs dropped (release; captured again on first use after resume)."""
+    device_allocated_before: int = -1
+    """``torch.cuda.memory_allocated`` before the call (in-process engines on CUDA)."""
+    device_allocated_after: int = -1
+
+
+@runtime_checkable
+class ReleasesMemory(Protocol):
+    async def release_memory(self, tags: Sequence[str] | None = None) -> MemoryReport: ...
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> MemoryReport: ...
+
+
+def _releaser(engine: object) -> ReleasesMemory | None:
+    while not isinstance(engine, ReleasesMemory) and isinstance(engine, EngineView):
+        engine = engine.engine
+    return engine if isinstance(engine, ReleasesMemory) else None
+
+
+async def release_for_training(engine: object, mode: ReleaseMode) -> MemoryReport | None:
+    """After the rollout, before the actor's forward passes: release what ``mode`` names
+    (``engine.release_between_steps``). None: nothing released (mode none, or an engine
+    that cannot release memory)."""
+    target = _releaser(engine)
+    if target is None or not RELEASE_TAGS[mode]:
+        return None
+    return await target.release_memory(RELEASE_TAGS[mode])
+
+
+async def resume_for_rollout(engine: object, mode: ReleaseMode) -> MemoryReport | None:
+    """After the optimizer step, before the weight sync (so that the sync writes into
+    device memory): take back what :func:`release_for_training` released."""
+    target = _releaser(engine)
+    if target is None or not RELEASE_TAGS[mode]:
+        return None
+    return await target.resume_memory(RELEASE_TAGS[mode])
+
+
+def memory_metrics(released: MemoryReport | None, resumed: MemoryReport | None) -> dict[str, float]:
+    """Step metrics of one release/resume pair (empty when nothing was released)."""
+    if released is None:
+        return {}
+    out = {
+        "memory/release_s": released.seconds,
+        "memory/kv_freed_bytes": float(released.kv_cache_bytes),
+        "memory/weights_offloaded_bytes": float(released.weight_bytes),
+    }
+    if released.device_allocated_before >= 0:
+        out["memory/device_freed_bytes"] = float(
+            released.device_allocated_before - released.device_allocated_after
+        )
+    if resumed is not None:
+        out["memory/resume_s"] = resumed.seconds
+    return out
 
 
 @runtime_checkable

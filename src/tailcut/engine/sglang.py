@@ -25,18 +25,49 @@ tokens generated so far. Verification reads ``GET /v1/loads`` (``num_running_req
 For a trainer sharing the GPUs: :meth:`release_memory` / :meth:`resume_memory` (tags
 ``kv_cache``, ``weights``, ``cuda_graph``), :meth:`update_weights_from_disk`,
 :meth:`flush_cache`.
+
+Weights in memory (:meth:`update_weights_from_distributed`), no disk in between::
+
+    first time: GET /server_info (tp_size: the ranks each server brings; dp_size 1)
+      ─► host a TCP store at master_address:port ─► POST /init_weights_update_group
+         {master_address, master_port, rank_offset, world_size, group_name, backend} to
+         every server, while joining as rank 0 (each server's TP workers take ranks
+         rank_offset.. ; the call answers once they joined)       [engine/update_group.py]
+    each bucket of tensors: POST /update_weights_from_distributed {names, dtypes, shapes,
+         group_name, flush_cache, weight_version} to every server, while broadcasting the
+         tensors (src 0) in that order; each server receives, loads, answers {success,
+         message}; the last bucket carries the version and the cache flush
+
+New requests wait (client side) for the whole update, as for a load from disk; each
+server's update waits for its running requests. Every step is bounded (``timeout_s``); a
+server that refuses or does not join fails the update with its URL and message, and the
+group is made anew at the next update (``engine/sglang_weights.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-from tailcut.engine.base import EngineError
+from tailcut.engine.base import AbortNotConfirmed, EngineError, MemoryReport
 from tailcut.engine.http import ServerClient, ServerHTTPError, fan_out, sse_events
 from tailcut.engine.remote import Flight, RemoteEngine
+from tailcut.engine.sglang_weights import (
+    DistributedUpdate,
+    GroupOptions,
+    form_group,
+    send_buckets,
+)
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from tailcut.engine.update_group import UpdateGroup
 
 MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})
 
@@ -69,6 +100,10 @@ class SGLangEngine(RemoteEngine):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._load_path: dict[str, str | None] = {}
+        self.update_group: UpdateGroup | None = None
+        """The weight-update group with the servers (made at the first in-memory update)."""
+        self._group_servers: list[ServerClient] = []
+        self._leftovers: set[asyncio.Future[Any]] = set()
 
     # -- generate ------------------------------------------------------------------------
 
@@ -81,6 +116,8 @@ class SGLangEngine(RemoteEngine):
             "return_logprob": True,
             "stream": self.config.stream,
         }
+        if req.sampling.priority is not None:  # with --enable-priority-scheduling
+            body["priority"] = req.sampling.priority
         if not self.config.stream:
             answer = await server.request("POST", "/generate", json=body, idempotent=False)
             out = answer.json()
@@ -205,13 +242,18 @@ class SGLangEngine(RemoteEngine):
 
     # -- colocated trainer: memory, weights, cache -------------------------------------
 
-    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Free GPU memory on every server (``None``: all tags). Servers must be idle."""
+    async def release_memory(self, tags: Sequence[str] | None = None) -> MemoryReport:
+        """Free GPU memory on every server (``None``: all tags). Servers must be idle.
+        The report has the time taken (the servers do not say how many bytes)."""
+        start = time.monotonic()
         await self._each_server("POST", "/release_memory_occupation", json=_tags(tags))
+        return MemoryReport(tuple(tags or sorted(MEMORY_TAGS)), time.monotonic() - start)
 
-    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> MemoryReport:
         """Take the released GPU memory back on every server (``None``: all tags)."""
+        start = time.monotonic()
         await self._each_server("POST", "/resume_memory_occupation", json=_tags(tags))
+        return MemoryReport(tuple(tags or sorted(MEMORY_TAGS)), time.monotonic() - start)
 
     async def flush_cache(self) -> None:
         """Drop every server's prefix cache (refused while requests run)."""
@@ -257,6 +299,74 @@ class SGLangEngine(RemoteEngine):
         )
         if isinstance(answer, dict) and not answer.get("success", False):
             raise EngineError(f"{server.url}: {answer.get('message', answer)}")
+
+    # -- weights in memory: a process group with the servers ---------------------------
+
+    async def update_weights_from_distributed(
+        self,
+        buckets: AsyncIterator[list[tuple[str, torch.Tensor]]],
+        weight_version: int,
+        options: GroupOptions,
+        *,
+        abort_in_flight: bool = False,
+        flush_cache: bool = True,
+    ) -> DistributedUpdate:
+        """Broadcast the tensors of ``buckets`` (name, full tensor; in the servers' naming)
+        into every live server's model, the group made first if there is none (or the last
+        one broke); results of requests started afterwards carry ``weight_version``.
+        Requests wait meanwhile (``abort_in_flight``: ours still running are aborted first).
+        Raises ``EngineError`` naming the server and what it said, or what timed out."""
+        if weight_version < 0:
+            raise ValueError(f"sglang: weight version must be >= 0, got {weight_version}")
+        if self._closed:
+            raise EngineError("sglang engine is closed")
+        await self.wait_ready()
+        async with self._weights_lock:
+            self._weights_idle.clear()
+            try:
+                if abort_in_flight and (ids := await self.in_flight()):
+                    with contextlib.suppress(AbortNotConfirmed):
+                        await self.abort(ids)  # each server still waits for what runs
+                t0 = time.monotonic()
+                servers = [self.servers[i] for i in self._alive()]
+                group, init_s = self.update_group, 0.0
+                if group is None or group.broken or servers != self._group_servers:
+                    await self._drop_group()
+                    group = await form_group(servers, options, self._leftovers)
+                    self.update_group, self._group_servers = group, servers
+                    init_s = time.monotonic() - t0
+                t1 = time.monotonic()
+                sent = await send_buckets(
+                    group, servers, buckets, str(weight_version), flush_cache, options,
+                    self._leftovers,
+                )  # fmt: skip
+                self.weight_version = weight_version
+                return DistributedUpdate(sent, init_s, time.monotonic() - t1)
+            finally:
+                self._weights_idle.set()
+
+    async def _drop_group(self) -> None:
+        """Close our end of the group; ask the servers to drop theirs (best effort)."""
+        group, self.update_group = self.update_group, None
+        if group is None:
+            return
+        servers, self._group_servers = self._group_servers, []
+        body = {"group_name": group.name}
+        if not group.broken:
+            with contextlib.suppress(EngineError):
+                await fan_out(
+                    s.post_json("/destroy_weights_update_group", body, timeout_s=10.0, retries=0)
+                    for s in servers
+                    if self.servers.index(s) not in self._dead
+                )
+        group.close()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            await self._drop_group()
+        await super().aclose()
+        if self._leftovers:  # collectives given up on: each ends by its group's timeout
+            await asyncio.wait(set(self._leftovers))
 
     async def model_info(self) -> list[dict[str, Any]]:
         """``GET /model_info`` of every live server."""

@@ -8,6 +8,14 @@ does not fit waits); an abort frees its reservation at once and the batch shrink
 next step boundary. A request ends after ``max_new_tokens`` tokens (``ignore_eos``) or at
 the stop position given by ``stop_after``.
 
+Priority scheduling: waiting requests are admitted by ``SamplingParams.priority`` (lower
+first, then first come, first served; no priority counts as 0), at most ``max_running``
+at once. A request that waits for a batch slot while one of worse priority runs preempts
+it: the paused one keeps its KV cache (``preemption = keep``: it resumes with no prefill)
+or frees it and prefills its prompt and the tokens it had made again when it resumes
+(``recompute``, vLLM's way). It resumes where it stopped, so a preemption costs time,
+never tokens.
+
 It is event-driven: between two events (a sequence finishing, a request arriving, an
 abort) the batch is constant, so the engine computes where the next event falls and sets
 one timer for it — never one Python iteration per token. On
@@ -27,7 +35,6 @@ import asyncio
 import heapq
 import math
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -109,6 +116,12 @@ class _Seq:
     start: int = -1
     finish: int = NEVER
     lost_abort_step: int | None = None
+    prio: int = 0
+    """Scheduling priority (lower first; requests without one: 0)."""
+    base: int = 0
+    """Tokens generated before the current run (a preempted request resumes from here)."""
+    holds_kv: bool = False
+    """Preempted with ``preemption = keep``: its KV cache is still reserved."""
 
 
 class SimEngine(BaseEngine):
@@ -146,7 +159,13 @@ class SimEngine(BaseEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._live: dict[str, _Seq] = {}
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        """Waiting requests, a heap by (priority, arrival): first come, first served among
+        equal priorities."""
+        self._prioritized = False
+        """Some request carried a priority (only then does a running one get preempted)."""
+        self.preemptions = 0
+        """Running requests paused for a request of better priority."""
         self._n_waiting = 0
         self._n_running = 0
         self._heap: list[tuple[int, int, _Seq]] = []
@@ -178,7 +197,7 @@ class SimEngine(BaseEngine):
         if self._timer_at is not None and loop.time() > self._timer_at:
             self._catch_up(before=loop.time())
         self._live[request.request_id] = seq
-        self._waiting.append(seq)
+        heapq.heappush(self._waiting, (seq.prio, seq.ordinal, seq))
         self._n_waiting += 1
         self._wake()
         return await seq.fut
@@ -299,6 +318,8 @@ class SimEngine(BaseEngine):
             )
         ordinal = self._arrivals
         self._arrivals += 1
+        prio = 0 if sp.priority is None else sp.priority
+        self._prioritized = self._prioritized or sp.priority is not None
         hang = lose = False
         if self._faulty:
             f = self.faults
@@ -314,6 +335,7 @@ class SimEngine(BaseEngine):
             stop,
             hang,
             self.faults.lose_abort_attempts if lose else 0,
+            prio=prio,
         )
 
     def _lose_some(self, request_ids: Sequence[str], now: float, step: int) -> list[str]:
@@ -329,7 +351,7 @@ class SimEngine(BaseEngine):
             running = seq.state == _State.RUNNING
             if seq.lost_abort_step is None:
                 seq.lost_abort_step = step if running else -1
-            tokens = min(step - seq.start, seq.n) if running else 0
+            tokens = self._tokens(seq, step) if running else seq.base
             self._abort_rows.append((rid, now, _LOST, tokens))
         return kept
 
@@ -343,8 +365,9 @@ class SimEngine(BaseEngine):
             running = [seq for seq in found if seq.state == is_running]
             self._n_running -= len(running)
             self._n_waiting -= len(found) - len(running)
-            self._kv_used -= sum(seq.reserve for seq in running)
-            self._blocks_used -= sum(seq.blocks for seq in running)
+            holding = running + [seq for seq in found if seq.holds_kv]
+            self._kv_used -= sum(seq.reserve for seq in holding)
+            self._blocks_used -= sum(seq.blocks for seq in holding)
             for seq in found:
                 seq.state = done
         self._batches.append((now, step, tuple(request_ids), found))
@@ -357,7 +380,8 @@ class SimEngine(BaseEngine):
         for now, step, ids, found in batches:
             stopped = {}
             for seq in found:
-                tokens = min(step - seq.start, seq.n) if seq.start >= 0 else 0
+                ran = min(step - seq.start, seq.n - seq.base) if seq.start >= 0 else 0
+                tokens = seq.base + ran
                 stopped[seq.req.request_id] = tokens
                 self._to_deliver.append((seq, tokens))
                 lost = seq.lost_abort_step
@@ -407,8 +431,8 @@ class SimEngine(BaseEngine):
 
     def _tokens(self, seq: _Seq, step: int) -> int:
         if seq.state != _State.RUNNING or step < seq.start:
-            return 0
-        return min(step - seq.start, seq.n)
+            return seq.base if seq.state == _State.WAITING else 0
+        return seq.base + min(step - seq.start, seq.n - seq.base)
 
     def _catch_up(self, before: float | None = None) -> None:
         """Process every step boundary that is due (a late timer, or several at one time);
@@ -468,8 +492,8 @@ class SimEngine(BaseEngine):
         s = self._s0 if step is None else step
         heap = self._heap
         while heap and heap[0][0] <= s:
-            _, _, seq = heapq.heappop(heap)
-            if seq.state == _State.RUNNING:
+            finish, _, seq = heapq.heappop(heap)
+            if seq.state == _State.RUNNING and seq.finish == finish:
                 self.completed += 1
                 self._end(seq, seq.n, _STOP if seq.stop else _LENGTH)
         prompt_tokens = self._admit(s)
@@ -480,34 +504,69 @@ class SimEngine(BaseEngine):
         self._s0, self._t0 = s, at
         self._pf = (self._pf if again else 0.0) + cfg.prefill_s_per_token * prompt_tokens
         self._tau = cfg.decode_a_s + cfg.decode_c_s * self._n_running
-        while heap and heap[0][2].state != _State.RUNNING:
+        while heap and (heap[0][2].state != _State.RUNNING or heap[0][2].finish != heap[0][0]):
             heapq.heappop(heap)
         if heap and heap[0][0] < NEVER:
             self._set_timer(heap[0][0])
 
     def _admit(self, step: int) -> int:
         cap = self.config.kv_capacity_tokens
+        slots = self.config.max_running
         waiting = self._waiting
         prompt_tokens = 0
         while waiting:
-            seq = waiting[0]
+            seq = waiting[0][2]
             if seq.state != _State.WAITING:
-                waiting.popleft()
+                heapq.heappop(waiting)
                 continue
-            if self._kv_used + seq.reserve > cap:
+            kv_ok = seq.holds_kv or self._kv_used + seq.reserve <= cap
+            slot_ok = slots is None or self._n_running < slots
+            if not (kv_ok and slot_ok):
+                if self._preempt_for(seq, step, kv_ok):
+                    continue
                 break
-            waiting.popleft()
+            heapq.heappop(waiting)
             self._n_waiting -= 1
             self._n_running += 1
-            self._kv_used += seq.reserve
-            self._blocks_used += seq.blocks
+            if seq.holds_kv:  # resumes on the KV cache it kept: nothing to prefill
+                seq.holds_kv = False
+            else:  # its prompt, and what it had generated before a preemption, prefilled
+                self._kv_used += seq.reserve
+                self._blocks_used += seq.blocks
+                prompt_tokens += len(seq.req.prompt_ids) + seq.base
             seq.state, seq.start = _State.RUNNING, step
-            seq.finish = NEVER if seq.hang else step + seq.n
+            seq.finish = NEVER if seq.hang else step + seq.n - seq.base
             if seq.lost_abort_step == -1:  # its abort was lost while it waited
                 seq.lost_abort_step = step
-            prompt_tokens += len(seq.req.prompt_ids)
             heapq.heappush(self._heap, (seq.finish, seq.ordinal, seq))
         return prompt_tokens
+
+    def _preempt_for(self, seq: _Seq, step: int, kv_ok: bool) -> bool:
+        """Pause the running request of worst priority if it is worse than ``seq``'s and
+        pausing it makes room (a slot; KV cache only when it is freed); True if one was."""
+        keep = self.config.preemption == "keep"
+        if not self._prioritized or (keep and not kv_ok):
+            return False
+        victim = None
+        for other in self._live.values():
+            if other.state == _State.RUNNING and (
+                victim is None or (other.prio, other.ordinal) > (victim.prio, victim.ordinal)
+            ):
+                victim = other
+        if victim is None or victim.prio <= seq.prio:
+            return False
+        victim.base += min(step - victim.start, victim.n - victim.base)
+        victim.state, victim.start, victim.finish = _State.WAITING, -1, NEVER
+        self._n_running -= 1
+        self._n_waiting += 1
+        if keep:
+            victim.holds_kv = True
+        else:
+            self._kv_used -= victim.reserve
+            self._blocks_used -= victim.blocks
+        heapq.heappush(self._waiting, (victim.prio, victim.ordinal, victim))
+        self.preemptions += 1
+        return True
 
     def _end(self, seq: _Seq, tokens: int, reason: FinishReason) -> None:
         """A running request finished: free its batch slot and KV cache, resolve its caller."""

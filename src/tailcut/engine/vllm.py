@@ -25,6 +25,15 @@ Where the server offers them (``VLLM_SERVER_DEV_MODE=1``): :meth:`sleep` / :meth
 ``/update_weight_version`` → ``/resume``). The completions endpoint does not report the
 weight version, so results are tagged client side: requests wait while an update runs,
 then carry the version the client last loaded (``/weight_info`` shows the server's).
+
+No in-memory sync here (``sync.method=distributed`` is refused for vLLM). vLLM does offer
+one over HTTP, in dev mode with ``--weight-transfer-config '{"backend": "nccl"}'``:
+``/init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset,
+world_size}}``, ``/start_weight_update``, ``/update_weights {"update_info": {names,
+dtype_names, shapes, packed}}``, ``/finish_weight_update``. Its data plane is vLLM's own
+``StatelessProcessGroup`` rendezvous and ``PyNcclCommunicator`` (CUDA/ROCm), so the
+trainer's end would be vLLM's ``NCCLWeightTransferEngine.trainer_init``: vLLM in the
+trainer's environment and a GPU, neither of which this client can assume.
 """
 
 from __future__ import annotations
@@ -109,6 +118,8 @@ class VLLMEngine(RemoteEngine):
             body["stop_token_ids"] = list(s.stop_token_ids)
         if s.seed is not None:
             body["seed"] = s.stream_seed()
+        if s.priority is not None:  # honoured by a server run with --scheduling-policy priority
+            body["priority"] = s.priority
         return body
 
     async def _request(self, server: ServerClient, flight: Flight) -> GenerateResult:

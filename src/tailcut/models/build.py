@@ -100,6 +100,16 @@ class ModelRecipe(BaseModel):
     eval_problems: int = Field(256, ge=1)
     """Held-out problems the greedy accuracy is measured on."""
     eval_seed: int = Field(1_000_003, ge=0)
+    vocab_size: int | None = Field(None, ge=300, le=1_048_576)
+    """Rows of the embedding and LM head (None: the tokenizer's length padded to a multiple
+    of 64). Rows past the tokenizer's are never sampled (``engine.hf.vocab_rows``)."""
+    random_init: bool = False
+    """Random weights, no fine-tuning (the ``builtin-qwen2-*`` size presets: real
+    geometry and vocabulary, the built-in tokenizer on the first rows, saved in bf16)."""
+
+
+ADDED_FIELDS = {"vocab_size": None, "random_init": False}
+"""Fields added after builds were cached: left out of the hash at their defaults."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +124,9 @@ def recipe_hash(recipe: ModelRecipe) -> str:
     dumped = recipe.model_dump(mode="json")
     if dumped["variant"] == "arith":  # the default's hash predates variants: keep it
         del dumped["variant"]
+    for name, default in ADDED_FIELDS.items():
+        if dumped[name] == default:
+            del dumped[name]
     payload = json.dumps(
         {
             "recipe": dumped,
@@ -140,6 +153,17 @@ VARIANTS: dict[str, ModelRecipe] = {
         variant="code", max_steps=6, tail_alpha=1.3, tokenizer_vocab=1024,
         strict_share=(0.8, 0.25), strict_items=2, train_problems=12000, steps=700,
         batch_size=16, eval_problems=192,
+    ),
+    # Qwen2-0.5B / Qwen2-1.5B geometry (tied embeddings, 151,936 rows), random weights
+    "qwen2-0.5b": ModelRecipe(
+        random_init=True, vocab_size=151_936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=32_768,
+        init_std=0.02,
+    ),
+    "qwen2-1.5b": ModelRecipe(
+        random_init=True, vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
+        num_layers=28, num_heads=12, num_kv_heads=2, max_position_embeddings=32_768,
+        init_std=0.02,
     ),
 }  # fmt: skip
 """The built-in variants' recipes (``tailcut model init --variant NAME``); as model specs,
@@ -213,8 +237,9 @@ def _new_model(recipe: ModelRecipe, tokenizer: Any) -> Any:
 
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     pad = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    rows = max(recipe.vocab_size or 0, padded_vocab(len(tokenizer)))
     config = Qwen2Config(
-        vocab_size=padded_vocab(len(tokenizer)),
+        vocab_size=rows,
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
         num_hidden_layers=recipe.num_layers,
@@ -228,7 +253,37 @@ def _new_model(recipe: ModelRecipe, tokenizer: Any) -> Any:
         pad_token_id=pad,
         initializer_range=recipe.init_std,
     )
+    if recipe.random_init:
+        return _random_model(Qwen2ForCausalLM, config, recipe)
     return Qwen2ForCausalLM(config)
+
+
+def _random_model(cls: Any, config: Any, recipe: ModelRecipe) -> Any:
+    """A bf16 model with Qwen2's initialisation (normal(0, init_std) matrices, unit norms,
+    zero biases), drawn once from a seeded generator: built on the meta device, so the
+    default initialisers never run (a 1.5B init on the CPU drops from minutes to one
+    pass of the generator). Non-persistent buffers (rotary frequencies) are not
+    initialised: they are never saved, every load computes them."""
+    import torch
+
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, recipe.init_std, generator=gen)
+    saved = set(model.state_dict())
+    if saved != {n for n, _ in model.named_parameters(remove_duplicate=False)}:
+        raise RuntimeError(f"{cls.__name__} has persistent buffers the preset cannot initialise")
+    return model
 
 
 def _generation_config(tokenizer: Any) -> Any:
@@ -275,8 +330,6 @@ def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) 
 
 def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Build the model into ``out`` (replaced atomically); return the build info."""
-    from tailcut.models.code_eval import CodeEvalReport
-
     report = progress or (lambda _phase, _frac: None)
     started = time.monotonic()
     _deterministic(recipe.seed)
@@ -287,29 +340,10 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
         report("tokenizer", 0.0)
         tokenizer = _build_tokenizer(recipe, tmp)
         model = _new_model(recipe, tokenizer)
-        losses = _train(recipe, model, tokenizer, report)
-        report("eval", 0.0)
-        task = _task(recipe)
-        ev = task.evaluate(model, tokenizer, task.problems(recipe.eval_seed, recipe.eval_problems))
-        model.save_pretrained(tmp)
-        _generation_config(tokenizer).save_pretrained(tmp)
-        info = {
-            "hash": recipe_hash(recipe),
-            "build_version": BUILD_VERSION,
-            "recipe": recipe.model_dump(mode="json"),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "accuracy": ev.accuracy,
-            "accuracy_any_format": ev.accuracy_any_format,
-            "accuracy_by_steps": [{"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps()],
-            "accuracy_any_format_by_steps": [
-                {"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps(any_format=True)
-            ],
-            "build_seconds": round(time.monotonic() - started, 1),
-        }
-        if isinstance(ev, CodeEvalReport):  # the code variant: calls of the task's form
-            info["tool_calls"] = ev.calls
-            info["tool_calls_run_share"] = ev.calls_run_share
+        if recipe.random_init:
+            info = _save_random(recipe, model, tokenizer, tmp, started)
+        else:
+            info = _train_and_save(recipe, model, tokenizer, tmp, report, started)
         info["files"] = _manifest(tmp)
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if out.exists():  # moved aside first: a reader never sees a half-removed build
@@ -320,6 +354,54 @@ def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return info
+
+
+def _save_random(
+    recipe: ModelRecipe, model: Any, tokenizer: Any, tmp: Path, started: float
+) -> dict[str, Any]:
+    """A size preset: the random weights as they are (bf16), no fine-tuning, no eval."""
+    model.save_pretrained(tmp)
+    _generation_config(tokenizer).save_pretrained(tmp)
+    return {
+        "hash": recipe_hash(recipe),
+        "build_version": BUILD_VERSION,
+        "recipe": recipe.model_dump(mode="json"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer_rows": len(tokenizer),
+        "vocab_size": int(model.config.vocab_size),
+        "build_seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def _train_and_save(
+    recipe: ModelRecipe, model: Any, tokenizer: Any, tmp: Path, report: Progress, started: float
+) -> dict[str, Any]:
+    from tailcut.models.code_eval import CodeEvalReport
+
+    losses = _train(recipe, model, tokenizer, report)
+    report("eval", 0.0)
+    task = _task(recipe)
+    ev = task.evaluate(model, tokenizer, task.problems(recipe.eval_seed, recipe.eval_problems))
+    model.save_pretrained(tmp)
+    _generation_config(tokenizer).save_pretrained(tmp)
+    info = {
+        "hash": recipe_hash(recipe),
+        "build_version": BUILD_VERSION,
+        "recipe": recipe.model_dump(mode="json"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "accuracy": ev.accuracy,
+        "accuracy_any_format": ev.accuracy_any_format,
+        "accuracy_by_steps": [{"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps()],
+        "accuracy_any_format_by_steps": [
+            {"steps": k, "n": n, "accuracy": a} for k, n, a in ev.by_steps(any_format=True)
+        ],
+        "build_seconds": round(time.monotonic() - started, 1),
+    }
+    if isinstance(ev, CodeEvalReport):  # the code variant: calls of the task's form
+        info["tool_calls"] = ev.calls
+        info["tool_calls_run_share"] = ev.calls_run_share
     return info
 
 

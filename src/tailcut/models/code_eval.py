@@ -1,8 +1,8 @@
 """Greedy multi-turn accuracy of the code variant on its problems (what ``model init
 --variant code`` prints).
 
-Conversations are decoded in batches with ``model.generate`` (greedy, left padding), one
-assistant turn per round. A ``code_interpreter`` call is answered without running anything:
+Conversations run as :func:`tailcut.models.evaluate.greedy_dialogues` runs them (greedy,
+batched, one assistant turn per round). A ``code_interpreter`` call is answered without running anything:
 a program of the task's own form (``n = V`` / ``print(<an operation's expression>)``) gets
 the value that program prints; any other program gets an error message. So the figure is
 deterministic (the build stays a pure function of its recipe) and is a lower bound of what
@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tailcut.chat.parser import HermesParser, ToolCallError
-from tailcut.chat.template import IM_END
+from tailcut.chat.parser import ToolCall
 from tailcut.data import dapo_synth
-from tailcut.models.evaluate import EvalReport, any_format_answer
+from tailcut.models.evaluate import EvalReport, answer_calls, any_format_answer, greedy_dialogues
 from tailcut.reward.dapo import extract_answer
 
 _PROGRAM = re.compile(r"n = (\d{1,4})\nprint\((.+)\)\s*")
@@ -66,51 +65,18 @@ class CodeEvalReport(EvalReport):
         return self.calls_run / max(1, self.calls)
 
 
+def _run(call: ToolCall, report: CodeEvalReport) -> str:
+    printed = run_program(str(call.arguments.get("code", "")))
+    if call.name == dapo_synth.TOOL_NAME and printed is not None:
+        report.calls_run += 1
+        return printed
+    return "Error: the program was not run (not of the task's form)"
+
+
 def _tool_messages(text: str, report: CodeEvalReport) -> list[str] | None:
-    parsed = HermesParser().parse(text)
-    if not parsed.items:
-        return None
-    out: list[str] = []
-    for item in parsed.items:
-        report.calls += 1
-        if isinstance(item, ToolCallError):
-            out.append(item.message())
-            continue
-        printed = run_program(str(item.arguments.get("code", "")))
-        if item.name == dapo_synth.TOOL_NAME and printed is not None:
-            report.calls_run += 1
-            out.append(printed)
-        else:
-            out.append("Error: the program was not run (not of the task's form)")
+    out = answer_calls(text, lambda call: _run(call, report))
+    report.calls += len(out or ())
     return out
-
-
-def _generate(
-    model: Any, tokenizer: Any, convs: list[list[dict[str, Any]]], max_new_tokens: int
-) -> list[str]:
-    import torch
-
-    texts = [
-        tokenizer.apply_chat_template(
-            c, tools=dapo_synth.tools(), tokenize=False, add_generation_prompt=True
-        )
-        for c in convs
-    ]
-    batch = tokenizer(
-        texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-    )
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    with torch.no_grad():
-        out = model.generate(
-            **batch,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=im_end,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    new = out[:, batch["input_ids"].shape[1] :]
-    decoded = tokenizer.batch_decode(new, skip_special_tokens=False)
-    return [d.split(IM_END)[0].replace(tokenizer.pad_token, "") for d in decoded]
 
 
 def greedy_code_accuracy(
@@ -123,34 +89,15 @@ def greedy_code_accuracy(
 ) -> CodeEvalReport:
     """Solve every problem greedily (tool calls answered as above); report which were right."""
     report = CodeEvalReport()
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        convs = [dapo_synth.prompt_messages(p) for p in chunk]
-        answers: list[str | None] = [None] * len(chunk)
-        turns = [0] * len(chunk)
-        active = list(range(len(chunk)))
-        for _ in range(max(len(p.steps) for p in chunk) + 2):
-            if not active:
-                break
-            outputs = _generate(model, tokenizer, [convs[i] for i in active], max_new_tokens)
-            still: list[int] = []
-            for i, text in zip(active, outputs, strict=True):
-                turns[i] += 1
-                convs[i].append({"role": "assistant", "content": text})
-                results = _tool_messages(text, report)
-                if results is None:
-                    answers[i] = text
-                    continue
-                convs[i] += [{"role": "tool", "content": r} for r in results]
-                still.append(i)
-            active = still
-        for p, ans, t in zip(chunk, answers, turns, strict=True):
-            truth = str(p.answer)
-            strict = ans is not None and extract_answer(ans) == truth
-            report.correct.append(strict)
-            report.correct_any_format.append(
-                strict or (ans is not None and any_format_answer(ans) == truth)
-            )
-            report.n_steps.append(len(p.steps))
-            report.turns.append(t)
+    dialogues = greedy_dialogues(
+        model, tokenizer, [dapo_synth.prompt_messages(p) for p in problems],
+        [len(p.steps) + 2 for p in problems], tools=dapo_synth.tools(),
+        answer=lambda text: _tool_messages(text, report), batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    for p, (ans, turns) in zip(problems, dialogues, strict=True):
+        truth = str(p.answer)
+        strict = ans is not None and extract_answer(ans) == truth
+        any_format = strict or (ans is not None and any_format_answer(ans) == truth)
+        report.add(strict, any_format, len(p.steps), turns)
     return report

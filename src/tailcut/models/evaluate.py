@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailcut.chat.parser import HermesParser, ToolCallError
+from tailcut.chat.parser import HermesParser, ToolCall, ToolCallError
 from tailcut.chat.template import IM_END
 from tailcut.data import arith
 from tailcut.tools.calculator import CalculatorError, evaluate, format_number
@@ -40,23 +40,29 @@ def any_format_answer(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-def run_tool_calls(text: str) -> list[str] | None:
-    """Tool messages answering the calls in an assistant turn; None if it made no call."""
+def answer_calls(text: str, answer: Callable[[ToolCall], str]) -> list[str] | None:
+    """Tool messages answering the hermes calls of an assistant turn, in order (``answer``
+    for a call, the parse error's own message for a malformed one); None if it made no call."""
     parsed = HermesParser().parse(text)
     if not parsed.items:
         return None
-    out: list[str] = []
-    for item in parsed.items:
-        if isinstance(item, ToolCallError):
-            out.append(item.message())
-        elif item.name != arith.TOOL_NAME:
-            out.append(f"Error: unknown tool {item.name!r}; available: {arith.TOOL_NAME}.")
-        else:
-            try:
-                out.append(format_number(evaluate(item.arguments.get("expression", ""))))
-            except CalculatorError as exc:
-                out.append(f"Error: {exc}")
-    return out
+    return [
+        item.message() if isinstance(item, ToolCallError) else answer(item) for item in parsed.items
+    ]
+
+
+def _calculate(call: ToolCall) -> str:
+    if call.name != arith.TOOL_NAME:
+        return f"Error: unknown tool {call.name!r}; available: {arith.TOOL_NAME}."
+    try:
+        return format_number(evaluate(call.arguments.get("expression", "")))
+    except CalculatorError as exc:
+        return f"Error: {exc}"
+
+
+def run_tool_calls(text: str) -> list[str] | None:
+    """Tool messages answering the calls in an assistant turn; None if it made no call."""
+    return answer_calls(text, _calculate)
 
 
 @dataclass(slots=True)
@@ -67,6 +73,13 @@ class EvalReport:
     """Right answer in either format."""
     n_steps: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+
+    def add(self, correct: bool, correct_any_format: bool, n_steps: int, turns: int) -> None:
+        """Record one problem's outcome."""
+        self.correct.append(correct)
+        self.correct_any_format.append(correct_any_format)
+        self.n_steps.append(n_steps)
+        self.turns.append(turns)
 
     @property
     def accuracy(self) -> float:
@@ -100,14 +113,16 @@ class EvalReport:
 
 
 def _generate(
-    model: Any, tokenizer: Any, convs: list[list[dict[str, Any]]], max_new_tokens: int
+    model: Any,
+    tokenizer: Any,
+    convs: list[list[dict[str, Any]]],
+    tools: list[dict[str, Any]],
+    max_new_tokens: int,
 ) -> list[str]:
     import torch
 
     texts = [
-        tokenizer.apply_chat_template(
-            c, tools=arith.tools(), tokenize=False, add_generation_prompt=True
-        )
+        tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True)
         for c in convs
     ]
     batch = tokenizer(
@@ -127,6 +142,46 @@ def _generate(
     return [d.split(IM_END)[0].replace(tokenizer.pad_token, "") for d in decoded]
 
 
+def greedy_dialogues(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[list[dict[str, Any]]],
+    rounds: Sequence[int],
+    *,
+    tools: list[dict[str, Any]],
+    answer: Callable[[str], list[str] | None],
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[tuple[str | None, int]]:
+    """Run each conversation greedily (module docstring), ``batch_size`` at a time, for at
+    most the largest of its batch's ``rounds``; ``answer(turn_text)`` gives a turn's tool
+    messages (None: it made no call, the conversation ends). Returns, per prompt, the final
+    turn's text (None: it ran out of rounds) and the number of turns."""
+    done: list[tuple[str | None, int]] = []
+    for start in range(0, len(prompts), batch_size):
+        convs = [list(p) for p in prompts[start : start + batch_size]]
+        answers: list[str | None] = [None] * len(convs)
+        turns = [0] * len(convs)
+        active = list(range(len(convs)))
+        for _ in range(max(rounds[start : start + batch_size])):
+            if not active:
+                break
+            outputs = _generate(model, tokenizer, [convs[i] for i in active], tools, max_new_tokens)
+            still: list[int] = []
+            for i, text in zip(active, outputs, strict=True):
+                turns[i] += 1
+                convs[i].append({"role": "assistant", "content": text})
+                results = answer(text)
+                if results is None:
+                    answers[i] = text
+                    continue
+                convs[i] += [{"role": "tool", "content": r} for r in results]
+                still.append(i)
+            active = still
+        done.extend(zip(answers, turns, strict=True))
+    return done
+
+
 def greedy_accuracy(
     model: Any,
     tokenizer: Any,
@@ -137,33 +192,17 @@ def greedy_accuracy(
 ) -> EvalReport:
     """Solve every problem greedily with the calculator; report which were right."""
     report = EvalReport()
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        convs = [arith.prompt_messages(p) for p in chunk]
-        answers: list[str | None] = [None] * len(chunk)
-        turns = [0] * len(chunk)
-        active = list(range(len(chunk)))
-        max_turns = max(len(p.steps) for p in chunk) + 2
-        for _ in range(max_turns):
-            if not active:
-                break
-            outputs = _generate(model, tokenizer, [convs[i] for i in active], max_new_tokens)
-            still: list[int] = []
-            for i, text in zip(active, outputs, strict=True):
-                turns[i] += 1
-                convs[i].append({"role": "assistant", "content": text})
-                results = run_tool_calls(text)
-                if results is None:
-                    answers[i] = text
-                    continue
-                convs[i] += [{"role": "tool", "content": r} for r in results]
-                still.append(i)
-            active = still
-        for p, ans, t in zip(chunk, answers, turns, strict=True):
-            report.correct.append(ans is not None and final_answer(ans) == str(p.answer))
-            report.correct_any_format.append(
-                ans is not None and any_format_answer(ans) == str(p.answer)
-            )
-            report.n_steps.append(len(p.steps))
-            report.turns.append(t)
+    dialogues = greedy_dialogues(
+        model, tokenizer, [arith.prompt_messages(p) for p in problems],
+        [len(p.steps) + 2 for p in problems], tools=arith.tools(), answer=run_tool_calls,
+        batch_size=batch_size, max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    for p, (ans, turns) in zip(problems, dialogues, strict=True):
+        truth = str(p.answer)
+        report.add(
+            ans is not None and final_answer(ans) == truth,
+            ans is not None and any_format_answer(ans) == truth,
+            len(p.steps),
+            turns,
+        )
     return report

@@ -24,9 +24,17 @@ if TYPE_CHECKING:
     from tailcut.models.build import Progress
 
 BUILTIN = "builtin"
-BUILTINS: dict[str, str] = {BUILTIN: "arith", "builtin-code": "code"}
+BUILTINS: dict[str, str] = {
+    BUILTIN: "arith",
+    "builtin-code": "code",
+    "builtin-qwen2-0.5b": "qwen2-0.5b",
+    "builtin-qwen2-1.5b": "qwen2-1.5b",
+}
 """Built-in model specs → their variant (``models/build.VARIANTS``): ``builtin`` is the
-default (calculator calls), ``builtin-code`` the code-interpreter variant."""
+default (calculator calls), ``builtin-code`` the code-interpreter variant;
+``builtin-qwen2-0.5b`` / ``-1.5b`` are random-init Qwen2-0.5B / 1.5B geometries with the
+151,936-row vocabulary and the built-in tokenizer on its first rows (sampling is masked to
+them, ``engine.hf.vocab_rows``)."""
 BUILD_INFO = "tailcut_build.json"
 """The build info a tailcut build writes beside the model files (``models/build.py``)."""
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

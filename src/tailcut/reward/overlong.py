@@ -8,10 +8,17 @@ response of ``n`` tokens (sampled and tool output, as verl counts the response) 
 0 up to ``L − B`` tokens, falling linearly to ``−factor`` at ``L`` (a response cut at the
 limit gets the whole penalty). It is added to the trajectory's reward, as verl's DAPO
 reward manager adds its ``overlong_reward``.
+
+Each scored sample records ``reward_info["overlong_penalty"]`` (the penalty) and
+``reward_info["overlong_penalized"]`` (1.0 when it is below 0); the trainer's rollout
+metrics average them over the step's finished samples (``algo/metrics.py``:
+``reward/overlong_penalty_mean`` and ``reward/overlong_penalized_mean``, the fraction
+penalized), so they reach ``metrics.jsonl`` and W&B with the other reward figures.
 """
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 
@@ -35,3 +42,11 @@ class OverlongPenalty:
     def __call__(self, n_tokens: int) -> float:
         exceed = n_tokens - (self.max_tokens - self.buffer)
         return min(0.0, -exceed / self.buffer * self.factor)
+
+    def record(self, info: MutableMapping[str, float], n_tokens: int) -> float:
+        """The penalty of ``n_tokens``, written into a sample's ``reward_info`` (module
+        docstring) and returned."""
+        penalty = self(n_tokens)
+        info["overlong_penalty"] = penalty
+        info["overlong_penalized"] = float(penalty < 0)
+        return penalty

@@ -219,8 +219,8 @@ class RewardFn:
     ``answer``: the registry's function for the row's ``data_source`` (or the one called
     ``name``), scored against ``reward_model.ground_truth``; its metrics go into
     ``sample.reward_info``. ``tool``: the sum of what the tools' ``calc_reward`` returned.
-    With ``overlong``, DAPO's overlong penalty of the response length is added (and kept as
-    ``reward_info["overlong_penalty"]``).
+    With ``overlong``, DAPO's overlong penalty of the response length is added (and kept in
+    ``reward_info``: :meth:`OverlongPenalty.record`).
     """
 
     def __init__(
@@ -245,9 +245,7 @@ class RewardFn:
             else:
                 score = await self._score(sample, tool_rewards)
             if self.overlong is not None:
-                penalty = self.overlong(len(sample.response_ids))
-                sample.reward_info["overlong_penalty"] = penalty
-                score += penalty
+                score += self.overlong.record(sample.reward_info, len(sample.response_ids))
             return score
         finally:
             self.seconds += time.perf_counter() - t0

@@ -155,6 +155,7 @@ class AgentLoop:
                 self.schemas,
                 stop_ids=self.stop_ids,
                 template_kwargs=self.template_kwargs,
+                parser=self.parser,
             )
             sample.prompt_ids = token_array(chat.prompt_ids)
             sample.messages = chat.messages  # the same list: grows with the conversation
@@ -342,7 +343,8 @@ class _Trajectory:
             self.sample.workid,
             duration_sec=seconds,
             turn=turn.index,
-            request_id=turn.request_id,
+            engine_request_id=turn.request_id,
+            prompt_tokens=turn.prompt_tokens,
             output_tokens=turn.output_tokens,
             finish_reason=reason.value,
             **extra,

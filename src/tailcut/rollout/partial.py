@@ -58,6 +58,9 @@ class PartialBuffer:
     baselines: dict[int, list[float]] = field(default_factory=dict)
     """group id → rewards of its members that finished in earlier steps."""
     dropped_total: int = 0
+    lost: list[Sample] = field(default_factory=list)
+    """Trajectories dropped for staleness since the last :meth:`pop_lost` (with
+    ``cutoff.long_rounds`` their prompts go to the long-round queue)."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -93,6 +96,7 @@ class PartialBuffer:
 
     def _drop(self, s: Sample) -> None:
         self.dropped_total += 1
+        self.lost.append(s)
         if not any(e.sample.group == s.group for e in self.entries):
             self.baselines.pop(s.group, None)
 
@@ -105,6 +109,7 @@ class PartialBuffer:
                 out.expired += 1
                 out.expired_tokens += e.sample.generated_tokens
                 self.dropped_total += 1
+                self.lost.append(e.sample)
             elif limit is None or len(out.resumed) < limit:
                 out.resumed.append(resume_copy(e.sample, e.started_step))
             else:
@@ -128,6 +133,11 @@ class PartialBuffer:
         self.add(rows.deferred, step, finished)
         self.release(groups)
         return baselines
+
+    def pop_lost(self) -> list[Sample]:
+        """The trajectories dropped for staleness since the last call (then forgotten)."""
+        out, self.lost = self.lost, []
+        return out
 
     def baseline_rewards(self, groups: Iterable[int]) -> dict[int, list[float]]:
         """Rewards of members that finished in earlier steps, for ``groups`` (the advantage's

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tailcut.engine.base import (
     AbortNotConfirmed,
@@ -38,10 +39,14 @@ from tailcut.engine.base import (
 )
 from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
 from tailcut.rollout.gc_pause import gc_paused
+from tailcut.rollout.refill import Refill
 from tailcut.rollout.state import is_terminal, transition
 from tailcut.rollout.step import RolloutFn, StepFailed, StepResult
-from tailcut.trace.events import STEP_WORKID, EventKind, Tracer
+from tailcut.trace.events import EventKind, Tracer
 from tailcut.types import FinishReason, GenerateRequest, GenerateResult, Sample, Status
+
+if TYPE_CHECKING:
+    from tailcut.rollout.admission import Admission
 
 
 class CutHandle:
@@ -117,6 +122,9 @@ def _status_for(reason: FinishReason | None) -> Status:
 
 
 class _StepRun:
+    admission: Admission | None = None
+    """Length-aware admission of the step's engine calls (None: every call goes in)."""
+
     def __init__(
         self,
         engine: Engine,
@@ -127,8 +135,12 @@ class _StepRun:
         abort_deadline_s: float,
         timeout_s: float | None,
         control: CutHandle | None,
+        max_retries: int = 0,
     ) -> None:
         self.control = control
+        self.max_retries = max_retries
+        self.retries = 0
+        self.recovered = 0
         self.engine = _TrackedEngine(engine)
         self.samples = samples
         self.rollout = rollout
@@ -151,8 +163,9 @@ class _StepRun:
         transition(sample, _RUNNING)
         workid = sample.workid
         self.tracer.emit(_START, workid, index=sample.index, group=sample.group)
+        refill = Refill(sample, self.max_retries) if self.max_retries else None
         try:
-            await self.rollout(sample, self.engine, self.tracer)
+            await self._attempts(sample, refill)
         except asyncio.CancelledError:
             self._finish(sample, workid, _ABORTED)
             raise
@@ -170,6 +183,23 @@ class _StepRun:
                 self._finish(sample, workid, _FAILED, exc)
             else:
                 self._finish(sample, workid, status)
+        finally:
+            if refill is not None and refill.attempts and sample.status is not _FAILED:
+                self.recovered += 1
+
+    async def _attempts(self, sample: Sample, refill: Refill | None) -> None:
+        """The rollout fn, relaunched on a failure while ``refill`` allows and the step is
+        not cut (``rollout/refill.py``); the last failure propagates."""
+        while True:
+            try:
+                await self.rollout(sample, self.engine, self.tracer)
+                return
+            except (asyncio.CancelledError, EngineDied):
+                raise
+            except Exception as exc:
+                if refill is None or self.cut_reason is not None or not refill.again(exc):
+                    raise
+                self.retries += 1
 
     def _finish(
         self, sample: Sample, workid: str, status: Status, exc: BaseException | None = None
@@ -184,9 +214,10 @@ class _StepRun:
                 _ABORTED_EVENT,
                 workid,
                 duration_sec=now - self.t0,
-                request_id=sample.turns[-1].request_id if sample.turns else "",
+                engine_request_id=sample.turns[-1].request_id if sample.turns else "",
                 output_tokens=sample.generated_tokens,
                 turns=len(sample.turns),
+                turn_tokens=[t.output_tokens for t in sample.turns],
             )
         elif status is _FAILED:
             sample.finish_reason = _FAILED_REASON
@@ -209,6 +240,8 @@ class _StepRun:
                 finish_reason=sample.finish_reason,
             )
         self.pending -= 1
+        if self.admission is not None:
+            self.admission.done(sample)
         if self.control is not None and self.control.on_sample_done is not None:
             self.control.on_sample_done(sample)
         if self.cut_reason is None and self.policy.on_done(sample.index, sample.group, status, now):
@@ -253,6 +286,8 @@ async def run_step(
     timeout_s: float | None = None,
     control: CutHandle | None = None,
     gc_pause: bool = True,
+    max_retries: int = 0,
+    admission: Admission | None = None,
 ) -> StepResult:
     """Run one over-sampled step over ``samples`` (launch ``policy.n_launch`` of them).
 
@@ -262,7 +297,9 @@ async def run_step(
     ``control`` lets an outside driver watch completions and cut the step (global cut
     across workers). ``gc_pause`` pauses Python's cyclic garbage collector while the step
     runs and collects the young generations once at its end (see ``rollout/gc_pause.py``;
-    False: the interpreter's default).
+    False: the interpreter's default). ``max_retries`` relaunches a FAILED sample within
+    the step up to that many times (``rollout/refill.py``). ``admission`` holds engine
+    calls by a length-aware schedule (``rollout/admission.py``; None: none held).
     """
     samples = list(samples)
     if len(samples) != policy.n_launch:
@@ -272,11 +309,19 @@ async def run_step(
     first = samples[0].index if samples else 0
     if [s.index for s in samples] != list(range(first, first + len(samples))):
         raise ValueError("samples must be indexed consecutively in launch order")
+    if admission is not None:
+        admission.start(samples, policy.target_completion)
+        rollout = admission.wrap(rollout)
     with gc_paused(gc_pause):
         step = _StepRun(
-            engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control
-        )
-        return await _run_step(step)
+            engine, samples, rollout, policy, tracer, abort_deadline_s, timeout_s, control,
+            max_retries,
+        )  # fmt: skip
+        step.admission = admission
+        result = await _run_step(step)
+    if admission is not None:
+        admission.end(result.samples)
+    return result
 
 
 async def _run_step(step: _StepRun) -> StepResult:
@@ -309,7 +354,7 @@ async def _run_step(step: _StepRun) -> StepResult:
 def _trace_cut(step: _StepRun) -> None:
     step.tracer.emit(
         EventKind.CUTOFF,
-        STEP_WORKID,
+        None,
         duration_sec=(step.cut_at or step.t0) - step.t0,
         reason=step.cut_reason,
         done=len(step.samples) - step.pending,
@@ -393,13 +438,13 @@ def _result(
     settled = None if step.cut_perf is None else time.perf_counter() - step.cut_perf
     step.tracer.emit(
         EventKind.STEP_MONITORING,
-        STEP_WORKID,
+        None,
         duration_sec=(step.cut_at or loop_now) - step.t0,
         total_requests=len(step.samples),
         target_completion=step.policy.target_completion,
         completed_count=counts.get(Status.COMPLETED, 0) + counts.get(Status.TRUNCATED, 0),
     )
-    step.tracer.emit(EventKind.STEP_TOTAL, STEP_WORKID, duration_sec=loop_now - step.t0)
+    step.tracer.emit(EventKind.STEP_TOTAL, None, duration_sec=loop_now - step.t0)
     step.tracer.flush()
     if step.fatal is not None:
         raise StepFailed(f"rollout step failed: engine died: {step.fatal}") from step.fatal
@@ -426,4 +471,6 @@ def _result(
         target_completion=step.policy.target_completion,
         engine_stats=stats,
         counts=counts,
+        retries=step.retries,
+        recovered=step.recovered,
     )

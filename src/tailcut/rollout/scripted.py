@@ -160,7 +160,8 @@ class ScriptedRollout:
             workid,
             turn.engine_s,
             turn=turn.index,
-            request_id=turn.request_id,
+            engine_request_id=turn.request_id,
+            prompt_tokens=turn.prompt_tokens,
             output_tokens=out,
             finish_reason=reason,  # a StrEnum: traced as its value
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tailcut.config import ScheduleConfig
 from tailcut.engine.base import Engine, EngineStats
 from tailcut.errors import TailcutError
 from tailcut.trace.events import Tracer
@@ -33,6 +34,11 @@ class StepOptions:
     """Hard cap on the step (the running loop's clock): past it the step is cut."""
     gc_pause: bool = True
     """Pause the cyclic garbage collector during the step (``rollout/gc_pause.py``)."""
+    max_retries: int = 0
+    """Relaunches of a FAILED sample within the step (``rollout/refill.py``; 0: none)."""
+    schedule: ScheduleConfig | None = None
+    """Length-aware admission of engine calls (``rollout/admission.py``); None or fifo:
+    every call goes in as it comes."""
 
 
 DEFAULT_STEP_OPTIONS = StepOptions()
@@ -59,6 +65,15 @@ class StepResult:
     target_completion: int = 0
     engine_stats: EngineStats | None = None
     counts: dict[Status, int] = field(default_factory=dict)
+    retries: int = 0
+    """Relaunches of failed samples within the step (``rollout.max_retries``)."""
+    recovered: int = 0
+    """Samples that failed at least once and then ended otherwise (refilled)."""
+
+    @property
+    def failed_before_refill(self) -> int:
+        """Samples whose first attempt FAILED (those that stayed FAILED and the refilled)."""
+        return self.failed + self.recovered
 
     @property
     def completed(self) -> int:

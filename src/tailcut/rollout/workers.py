@@ -38,6 +38,7 @@ from typing import Protocol
 
 from tailcut.config import CutoffConfig
 from tailcut.engine.base import Engine, EngineStats
+from tailcut.rollout.admission import Admission, make_admission
 from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
 from tailcut.rollout.scheduler import CutHandle, run_step
 from tailcut.rollout.step import (
@@ -165,6 +166,12 @@ class RolloutWorker:
         self.control: CutHandle | None = None
         self.owns_engine = bool(getattr(recipe, "owns_engine", True))
         self.cut_received_at: float | None = None
+        self.admission: Admission | None = None
+        """This worker's length-aware gate (``StepOptions.schedule``), kept across steps: its
+        predictor learns each prompt's lengths from the steps before."""
+        self._traced: tuple[int, int] = (-1, 0)
+        """(last step traced, rounds of it so far): a step run again (another launch
+        round of the trainer, ``algo.filter_groups``) traces to ``worker_R.roundN.jsonl``."""
 
     async def start(self) -> None:
         self.engine, self.rollout = await self.recipe.build(self.rank)
@@ -195,8 +202,10 @@ class RolloutWorker:
 
         self.cut_received_at = None
         self.control = CutHandle(done)
+        if self.admission is None and options.schedule is not None:
+            self.admission = make_admission(options.schedule)
         loop = asyncio.get_running_loop()
-        with Tracer.for_step(self.run_dir, step, self.rank, clock=loop.time) as tracer:
+        with self._tracer(step, loop.time) as tracer:
             result = await run_step(
                 self.engine,
                 samples,
@@ -207,9 +216,19 @@ class RolloutWorker:
                 timeout_s=options.timeout_s,
                 control=self.control,
                 gc_pause=options.gc_pause,
+                max_retries=options.max_retries,
+                admission=self.admission,
             )
         self.control = None
         return WorkerResult(self.rank, result, self.cut_received_at, policy.state_dict())
+
+    def _tracer(self, step: int, clock: Callable[[], float]) -> Tracer:
+        rounds = self._traced[1] + 1 if self._traced[0] == step else 0
+        self._traced = (step, rounds)
+        if rounds == 0 or self.run_dir is None:
+            return Tracer.for_step(self.run_dir, step, self.rank, clock=clock)
+        path = Path(self.run_dir) / f"step_{step}" / f"worker_{self.rank}.round{rounds}.jsonl"
+        return Tracer(path, step=step, clock=clock, rank=self.rank)
 
     async def aclose(self) -> None:
         if self.engine is not None and self.owns_engine:
@@ -273,6 +292,8 @@ def merge(
         else plan.coordinator_policy.target_completion,
         engine_stats=done[0].engine_stats if len(steps) == 1 and done else EngineStats(),
         counts=counts,
+        retries=sum(r.retries for r in done),
+        recovered=sum(r.recovered for r in done),
     )
 
 

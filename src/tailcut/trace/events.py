@@ -1,14 +1,19 @@
 """Trace events: the vocabulary, the required keys of each kind, and the JSONL writer.
 
-One JSON object a line at ``RUN_DIR/step_{k}/worker_{r}.jsonl``::
+One JSON object a line at ``RUN_DIR/step_{k}/worker_{r}.jsonl``, in the reference profiler's
+format::
 
-    {"timestamp": ISO-8601, "event": kind, "duration_sec": float, "extra": {...},
-     "workid": str, "step": int}
+    {"timestamp": ISO-8601, "event": kind, "duration_sec": float,
+     "extra": {"request_id": "req-000047", ...}, "workid": r, "step": k}
 
-``timestamp`` is when the event was emitted (the *end* of a span whose length is
-``duration_sec``). Times come from the tracer's clock (the event loop's ``time()``, which is
-virtual under the simulated engine), anchored once to wall time, so virtual and real runs
-give the same shape of trace. Imports no torch and no asyncio.
+``workid`` is the worker's rank (an int). Every event of one trajectory carries the same
+``extra.request_id``; the id of one engine call (new each turn) is ``extra.engine_request_id``;
+step-level events (cut-off, monitoring, total) carry no request id. The first line of each
+file carries ``extra.schema`` (:data:`SCHEMA`). ``timestamp`` is when the event was emitted
+(the *end* of a span whose length is ``duration_sec``). Times come from the tracer's clock
+(the event loop's ``time()``, which is virtual under the simulated engine), anchored once to
+wall time, so virtual and real runs give the same shape of trace. docs/traces.md documents
+every kind. Imports no torch and no asyncio.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import IO, Any
 
-from tailcut.jsonl import read_jsonl
+SCHEMA = "tailcut-trace/2"
+"""``extra.schema`` of a file's first line. Version 1 (no marker) had a request label in
+``workid`` (``"step"`` for step-level events) and the engine call id in ``extra.request_id``."""
 
 
 class EventKind(StrEnum):
@@ -34,6 +41,8 @@ class EventKind(StrEnum):
     TURN_END = "turn_end"
     REQUEST_COMPLETE = "async_rollout_request_complete"
     REQUEST_ABORTED = "aborted_request_with_cancelled_error"
+    ABORT_PADDING = "aborted_request_with_cancelled_error_padding"
+    """The reference profiler's: the cost of padding one aborted request (read, not written)."""
     REQUEST_FAILED = "request_failed"
     CUTOFF = "cutoff_decision"
     STEP_MONITORING = "async_rollout_with_monitoring_duration"
@@ -44,15 +53,20 @@ TERMINAL_EVENTS = frozenset(
     {EventKind.REQUEST_COMPLETE, EventKind.REQUEST_ABORTED, EventKind.REQUEST_FAILED}
 )
 """Every request has exactly one of these."""
+STEP_EVENTS = frozenset({EventKind.CUTOFF, EventKind.STEP_MONITORING, EventKind.STEP_TOTAL})
+"""Step-level kinds: no request id."""
 
 REQUIRED_EXTRA: Mapping[EventKind, frozenset[str]] = {
     EventKind.REQUEST_START: frozenset({"index", "group"}),
     EventKind.TURN_START: frozenset({"turn"}),
-    EventKind.TURN_ENGINE_CALL: frozenset({"turn", "request_id", "output_tokens", "finish_reason"}),
+    EventKind.TURN_ENGINE_CALL: frozenset(
+        {"turn", "engine_request_id", "output_tokens", "finish_reason"}
+    ),
     EventKind.TOOL_CALL: frozenset({"turn", "name", "status"}),
     EventKind.TURN_END: frozenset({"turn"}),
     EventKind.REQUEST_COMPLETE: frozenset({"status", "turns", "output_tokens"}),
-    EventKind.REQUEST_ABORTED: frozenset({"request_id", "output_tokens", "turns"}),
+    EventKind.REQUEST_ABORTED: frozenset({"output_tokens", "turns"}),
+    EventKind.ABORT_PADDING: frozenset(),
     EventKind.REQUEST_FAILED: frozenset({"error", "output_tokens"}),
     EventKind.CUTOFF: frozenset({"reason", "done", "launched"}),
     EventKind.STEP_MONITORING: frozenset(
@@ -60,33 +74,11 @@ REQUIRED_EXTRA: Mapping[EventKind, frozenset[str]] = {
     ),
     EventKind.STEP_TOTAL: frozenset(),
 }
-
-STEP_WORKID = "step"
-"""``workid`` of step-level events (cut-off, monitoring, total)."""
+"""Keys of ``extra`` each kind must carry in a tailcut trace (besides ``request_id``)."""
 
 
 class TraceSchemaError(ValueError):
-    pass
-
-
-def validate_record(record: Mapping[str, Any], where: str = "") -> EventKind:
-    """Check one decoded JSONL record; raise ``TraceSchemaError`` naming what is wrong."""
-    for key, typ in (("timestamp", str), ("event", str), ("workid", str), ("extra", dict)):
-        if not isinstance(record.get(key), typ):
-            raise TraceSchemaError(f"{where}: field {key!r} missing or not {typ.__name__}")
-    if not isinstance(record.get("duration_sec"), int | float):
-        raise TraceSchemaError(f"{where}: field 'duration_sec' missing or not a number")
-    if not isinstance(record.get("step"), int):
-        raise TraceSchemaError(f"{where}: field 'step' missing or not an int")
-    try:
-        kind = EventKind(record["event"])
-    except ValueError:
-        raise TraceSchemaError(f"{where}: unknown event {record['event']!r}") from None
-    missing = REQUIRED_EXTRA[kind] - record["extra"].keys()
-    if missing:
-        raise TraceSchemaError(f"{where}: event {kind.value} lacks extra keys {sorted(missing)}")
-    datetime.fromisoformat(record["timestamp"])
-    return kind
+    """A record that breaks the schema (checked in :mod:`tailcut.trace.schema`)."""
 
 
 _DUMPS = json.JSONEncoder(separators=(",", ":"), default=str).encode
@@ -136,9 +128,11 @@ class Tracer:
 
     A line is exactly what ``json.dumps(record, separators=(",", ":"), default=str)`` gives
     for the record ``{"timestamp", "event", "duration_sec", "extra", "workid", "step"}``
-    (``duration_sec`` rounded to the µs, ``timestamp`` as ``datetime.isoformat`` writes the
-    UTC time), assembled by hand: the date-time part of the timestamp is formatted once
-    per second, the rest with the C JSON encoder."""
+    with ``extra = {"request_id": ..., **extra}`` (no ``request_id`` for a step-level event;
+    ``"schema": SCHEMA`` added to the first line's), ``workid`` the rank, ``duration_sec``
+    rounded to the µs and ``timestamp`` as ``datetime.isoformat`` writes the UTC time,
+    assembled by hand: the date-time part of the timestamp is formatted once per second,
+    the rest with the C JSON encoder."""
 
     def __init__(
         self,
@@ -146,8 +140,10 @@ class Tracer:
         *,
         step: int,
         clock: Callable[[], float] = time.monotonic,
+        rank: int = 0,
     ) -> None:
         self.path = path
+        self.rank = rank
         self.step = step  # also sets the line tail
         self.clock = clock
         self._anchor_clock = clock()
@@ -159,6 +155,7 @@ class Tracer:
         self._second_text = ""
         self._last_wall = -1.0
         self._last_stamp = ""
+        self._schema_due = True
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("w", encoding="utf-8")
@@ -174,7 +171,7 @@ class Tracer:
         path = (
             None if run_dir is None else Path(run_dir) / f"step_{step}" / f"worker_{worker}.jsonl"
         )
-        return cls(path, step=step, clock=clock)
+        return cls(path, step=step, clock=clock, rank=worker)
 
     @property
     def step(self) -> int:
@@ -183,24 +180,36 @@ class Tracer:
     @step.setter
     def step(self, step: int) -> None:
         self._step = step
-        self._tail = f',"step":{_json(step)}}}'
+        self._tail = f',"workid":{_json(self.rank)},"step":{_json(step)}}}'
 
     @property
     def enabled(self) -> bool:
         return self._file is not None
 
-    def emit(self, kind: EventKind, workid: str, duration_sec: float = 0.0, **extra: Any) -> None:
+    def emit(
+        self, kind: EventKind, request_id: str | None, duration_sec: float = 0.0, **extra: Any
+    ) -> None:
+        """One event of trajectory ``request_id`` (None: a step-level event)."""
         if self._file is None:
             return
         wall = self._anchor_wall + (self.clock() - self._anchor_clock)
         # Events at one instant (virtual time has many) reuse the last stamp.
         stamp = self._last_stamp if wall == self._last_wall else self.timestamp(wall)
         event = _KIND_JSON.get(kind) or _json(kind)
-        work = encode_basestring_ascii(workid) if type(workid) is str else _json(workid)
+        if self._schema_due:
+            self._schema_due = False
+            extra["schema"] = SCHEMA
+        body = self._extra_json(extra)
+        if request_id is not None:
+            rid = (
+                encode_basestring_ascii(request_id)
+                if type(request_id) is str
+                else _json(request_id)
+            )
+            body = '{"request_id":' + rid + ("}" if body == "{}" else "," + body[1:])
         self._lines.append(
             f'{{"timestamp":"{stamp}","event":{event},"duration_sec":'
-            f'{_duration_json(duration_sec)},"extra":{self._extra_json(extra)},"workid":{work}'
-            f"{self._tail}"
+            f'{_duration_json(duration_sec)},"extra":{body}{self._tail}'
         )
 
     def _extra_json(self, extra: dict[str, Any]) -> str:
@@ -287,9 +296,7 @@ NULL_TRACER = Tracer(None, step=0)
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
-    """Read and validate a JSONL trace file; errors name the file and line."""
-    out: list[dict[str, Any]] = []
-    for lineno, rec in read_jsonl(path, TraceSchemaError):
-        validate_record(rec, f"{path}:{lineno}")
-        out.append(rec)
-    return out
+    """Read and validate a JSONL trace file of any dialect; errors name the file and line."""
+    from tailcut.trace.schema import read_trace_file
+
+    return read_trace_file(path)

@@ -6,6 +6,11 @@ such run per policy (``<policy>/step_{k}/...``); a training run keeps its traces
 is checked against the event schema and every request must have exactly one terminal event;
 all problems are collected and raised together as a :class:`TraceError` naming ``file:line``.
 
+Three dialects are read (``events.Dialect``, told apart per file by its first record): tailcut
+traces (``extra.schema`` on the first line), tailcut traces written before the schema marker
+(a request label in ``workid``) and the reference profiler's (an int ``workid``, no
+``request_start``, few extras; event names tailcut does not know are skipped with a warning).
+
 What a crash leaves is skipped with a warning, not an error: an empty file, or a last line
 with no newline that does not parse (the requests it leaves unfinished are dropped). A bad
 line anywhere else is an error.
@@ -29,13 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from tailcut.errors import TailcutError
-from tailcut.trace.events import (
-    STEP_WORKID,
-    TERMINAL_EVENTS,
-    EventKind,
-    TraceSchemaError,
-    validate_record,
-)
+from tailcut.trace.events import TERMINAL_EVENTS, EventKind, TraceSchemaError
+from tailcut.trace.schema import LEGACY_STEP_WORKID, Dialect, detect_dialect, validate_record
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WORKER_FILE = re.compile(r"^worker_(\d+)\.jsonl$")
@@ -52,7 +52,8 @@ class TraceError(TailcutError, ValueError):
 @dataclass(frozen=True, slots=True)
 class Event:
     kind: EventKind
-    workid: str
+    request_id: str | None
+    """The trajectory (None: a step-level event)."""
     end: float
     """Seconds since the epoch (the record's timestamp)."""
     duration: float
@@ -70,7 +71,7 @@ class Event:
 @dataclass(slots=True)
 class RequestTrace:
     worker: int
-    workid: str
+    request_id: str
     events: list[Event] = field(default_factory=list)
     launch: Event | None = None
     terminal: Event | None = None
@@ -113,6 +114,12 @@ class RequestTrace:
         n = self.terminal.extra.get("output_tokens")
         return n if isinstance(n, int) else 0
 
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the trace counts this request's tokens (the reference's does not)."""
+        assert self.terminal is not None
+        return isinstance(self.terminal.extra.get("output_tokens"), int)
+
 
 @dataclass(slots=True)
 class StepTrace:
@@ -141,11 +148,20 @@ class StepTrace:
 
     @property
     def cut_time(self) -> float | None:
-        """Seconds from the step start to the (first) cut; None when the step was not cut."""
-        cuts = self.cuts
+        """Seconds from the step start to the (first) cut; None when the step was not cut.
+        A trace with no cut-off event (the reference's) was cut if a request was aborted:
+        at the end of its monitored rollout."""
+        cuts = self.cuts or self.inferred_cuts
         if not cuts:
             return None
         return min(self.cut_offset(c) for c in cuts)
+
+    @property
+    def inferred_cuts(self) -> list[Event]:
+        """The monitoring events that stand for the cut of a step with no cut-off event."""
+        if self.cuts or not any(r.status == "aborted" for r in self.requests):
+            return []
+        return [e for e in self.step_events if e.kind is EventKind.STEP_MONITORING]
 
     def cut_offset(self, cut: Event) -> float:
         """A cut's time since the step start (its duration measures from its worker's start)."""
@@ -222,11 +238,15 @@ def _not_parsed(raw: bytes, exc: ValueError) -> str:
     return f"not JSON ({exc.msg})"
 
 
-def _read_file(path: Path, worker: int, problems: list[str]) -> tuple[list[Event], str | None]:
+def _read_file(
+    path: Path, worker: int, problems: list[str], warn: Warn
+) -> tuple[list[Event], str | None]:
     """The file's events, and what was skipped if it was cut short: the file was empty, or its
     last line (no newline) does not parse. Bad lines before the last are problems."""
     events: list[Event] = []
     lineno = 0
+    dialect: Dialect | None = None
+    unknown: Counter[str] = Counter()
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
@@ -243,19 +263,30 @@ def _read_file(path: Path, worker: int, problems: list[str]) -> tuple[list[Event
             try:
                 if not isinstance(rec, dict):
                     raise TraceSchemaError(f"{where}: not a JSON object")
-                kind = validate_record(rec, where)
+                dialect = dialect or detect_dialect(rec, where)
+                kind = validate_record(rec, where, dialect)
                 end = datetime.fromisoformat(rec["timestamp"]).timestamp()
             except (TraceSchemaError, ValueError) as exc:
                 msg = str(exc)
                 problems.append(msg if msg.startswith(where) else f"{where}: {msg}")
                 continue
+            if kind is None:
+                unknown[rec["event"]] += 1
+                continue
             duration = float(rec["duration_sec"])
             if duration < 0:
                 problems.append(f"{where}: negative duration_sec {duration}")
                 continue
-            events.append(
-                Event(kind, rec["workid"], end, duration, rec["extra"], worker, where, rec["step"])
-            )
+            extra = rec["extra"]
+            if dialect is Dialect.LEGACY:
+                wid = rec["workid"]
+                request = None if wid == LEGACY_STEP_WORKID else wid
+            else:
+                request = extra.get("request_id")
+            events.append(Event(kind, request, end, duration, extra, worker, where, rec["step"]))
+    if unknown:
+        kinds = ", ".join(f"{k} ({n})" for k, n in sorted(unknown.items()))
+        warn(f"{path}: skipped events of kinds tailcut does not read: {kinds}")
     return events, f"{path}: skipped an empty trace file" if lineno == 0 else None
 
 
@@ -266,21 +297,22 @@ def _requests(
     terminal event is a problem, unless its worker's file was cut short."""
     requests: dict[tuple[int, str], RequestTrace] = {}
     for e in events:
-        key = (e.worker, e.workid)
+        assert e.request_id is not None
+        key = (e.worker, e.request_id)
         req = requests.get(key)
         if req is None:
-            req = requests[key] = RequestTrace(e.worker, e.workid)
+            req = requests[key] = RequestTrace(e.worker, e.request_id)
         req.events.append(e)
         if e.kind is EventKind.REQUEST_START:
             if req.launch is not None:
                 problems.append(
-                    f"{e.where}: request {e.workid} started twice (first at {req.launch.where})"
+                    f"{e.where}: request {e.request_id} started twice (first at {req.launch.where})"
                 )
             req.launch = e
         elif e.kind in TERMINAL_EVENTS:
             if req.terminal is not None:
                 problems.append(
-                    f"{e.where}: request {e.workid} has a second terminal event {e.kind.value} "
+                    f"{e.where}: request {e.request_id} has a second terminal event {e.kind.value} "
                     f"(first: {req.terminal.kind.value} at {req.terminal.where})"
                 )
             else:
@@ -292,7 +324,7 @@ def _requests(
         elif req.terminal is None:
             first = req.events[0]
             problems.append(
-                f"{first.where}: request {req.workid} has no terminal event "
+                f"{first.where}: request {req.request_id} has no terminal event "
                 "(complete, aborted or failed) in its worker file"
             )
     return [r for r in requests.values() if r.terminal is not None], dropped
@@ -303,7 +335,7 @@ def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace 
     events: list[Event] = []
     cut_short: dict[int, str] = {}
     for worker, path in source.files:
-        read, skipped = _read_file(path, worker, problems)
+        read, skipped = _read_file(path, worker, problems, warn)
         events += read
         if skipped:
             cut_short[worker] = skipped
@@ -318,9 +350,9 @@ def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace 
         if e.step != step:
             where = "folder" if source.step is not None else "file (from its first record)"
             problems.append(f"{e.where}: record of step {e.step} in the step_{step} {where}")
-    step_events = [e for e in events if e.workid == STEP_WORKID]
+    step_events = [e for e in events if e.request_id is None]
     requests, dropped = _requests(
-        [e for e in events if e.workid != STEP_WORKID], problems, cut_short
+        [e for e in events if e.request_id is not None], problems, cut_short
     )
     for worker, skipped in cut_short.items():
         n = dropped[worker]
@@ -333,7 +365,7 @@ def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace 
         step=step,
         path=source.path,
         workers=sorted({e.worker for e in events}),
-        requests=sorted(requests, key=lambda r: (r.worker, r.workid)),
+        requests=sorted(requests, key=lambda r: (r.worker, r.request_id)),
         step_events=step_events,
         start=min(starts),
         end=max(max(ends), *(r.end for r in requests)) if requests else max(ends),

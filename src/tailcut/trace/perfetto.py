@@ -77,7 +77,8 @@ def _request_slices(req: RequestTrace, us: _Us) -> list[_Slice]:
     term = req.terminal
     assert term is not None
     args = {
-        "workid": req.workid,
+        "request_id": req.request_id,
+        "worker": req.worker,
         "status": req.status,
         "turns": req.turns,
         "output_tokens": req.output_tokens,
@@ -89,6 +90,7 @@ def _request_slices(req: RequestTrace, us: _Us) -> list[_Slice]:
     starts: dict[Any, Event] = {}
     ends: dict[Any, Event] = {}
     calls: list[tuple[Any, _Slice]] = []
+    after: list[_Slice] = []
     for e in req.events:
         turn = e.extra.get("turn")
         if e.kind is EventKind.TURN_START:
@@ -102,6 +104,8 @@ def _request_slices(req: RequestTrace, us: _Us) -> list[_Slice]:
         elif e.kind is EventKind.TOOL_CALL:
             name = f"tool {e.extra.get('name')}"
             calls.append((turn, _Slice(name, "tool", us(e.start), us(e.end), 2, dict(e.extra))))
+        elif e.kind is EventKind.ABORT_PADDING:  # the reference's: after the request ends
+            after.append(_Slice("padding", "padding", us(e.start), us(e.end), 0, dict(e.extra)))
     turns: dict[Any, _Slice] = {}
     for turn in sorted(starts.keys() | ends.keys(), key=lambda t: (str(type(t)), t)):
         st, en = starts.get(turn), ends.get(turn)
@@ -116,7 +120,7 @@ def _request_slices(req: RequestTrace, us: _Us) -> list[_Slice]:
     for turn, s in calls:
         parent = turns.get(turn, top)
         _clamp(s, parent.start, parent.end)
-    return [top, *turns.values(), *(s for _, s in calls)]
+    return [top, *turns.values(), *(s for _, s in calls), *after]
 
 
 def _lanes(slices: list[_Slice]) -> list[list[_Slice]]:
@@ -158,11 +162,12 @@ def _x(s: _Slice, pid: int, tid: int) -> dict[str, Any]:
 def _step_track(step: StepTrace, worker: int, pid: int, tid: int, us: _Us) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     w0 = step.worker_start(worker)
+    inferred = step.inferred_cuts
     for e in step.step_events:
         if e.worker != worker:
             continue
         begin = w0 if e.kind in _FROM_STEP_START else e.start
-        if e.kind is EventKind.CUTOFF:
+        if e.kind is EventKind.CUTOFF or e in inferred:
             out.append(
                 {
                     "ph": "i",
@@ -172,10 +177,10 @@ def _step_track(step: StepTrace, worker: int, pid: int, tid: int, us: _Us) -> li
                     "ts": us(w0 + e.duration),
                     "pid": pid,
                     "tid": tid,
-                    "args": dict(e.extra),
+                    "args": dict(e.extra) | ({"inferred": True} if e in inferred else {}),
                 }
             )
-        elif e.kind is EventKind.STEP_TOTAL:
+        if e.kind is EventKind.STEP_TOTAL:
             out.append(_x(_Slice("step", "step", us(begin), us(e.end), 0, dict(e.extra)), pid, tid))
         elif e.kind is EventKind.STEP_MONITORING:
             end = us(w0 + e.duration)
@@ -223,10 +228,10 @@ def _worker_process(
     events += _step_track(step, worker, pid, step_tid, us)
     reqs = [r for r in step.requests if r.worker == worker]
     events += _counter(reqs, pid, us)
-    for n, req in enumerate(sorted(reqs, key=lambda r: (r.begin, r.workid))):
+    for n, req in enumerate(sorted(reqs, key=lambda r: (r.begin, r.request_id))):
         for k, lane in enumerate(_lanes(_request_slices(req, us))):
             tid = ids.next_tid()
-            name = req.workid if k == 0 else f"{req.workid} ({k + 1})"
+            name = req.request_id if k == 0 else f"{req.request_id} ({k + 1})"
             events += [
                 _meta("thread_name", pid, tid, name=name),
                 _meta("thread_sort_index", pid, tid, sort_index=n * 64 + k),

@@ -3,8 +3,11 @@
 For each step (and each policy of a benchmark directory): request counts by terminal status,
 the step time and the cut time, percentiles of the finished requests' durations (launch to
 completion), the share of launched requests finished by 40% and 50% of the step time, the turn
-mix and mean duration by number of turns, and the wasted tokens (output tokens of aborted
-requests). Rendered as rich tables, as JSON, and as a completion-CDF plot with the cut marked.
+mix and mean duration by number of turns, the wasted tokens (output tokens of aborted
+requests), abort-to-idle (cut to the last aborted request's end, on the trace's clock) and
+the tail (step time after 80% of the launched requests had finished). Rendered as rich
+tables, as JSON, and as a completion-CDF plot with the cut marked; over a run's steps, see
+:mod:`tailcut.trace.run_report`.
 
 "Finished" means completed or truncated (a real sample); aborted and failed requests have no
 completion time.
@@ -22,6 +25,8 @@ from typing import Any
 from tailcut.trace.load import StepTrace, Warn, load_run
 from tailcut.types import FINISHED
 
+TAIL_DONE = 0.8
+"""The tail starts when this share of the launched requests has finished."""
 PERCENTILES = (("p50", 0.5), ("p80", 0.8), ("p90", 0.9), ("p95", 0.95), ("p99", 0.99), ("max", 1.0))
 
 
@@ -60,6 +65,13 @@ class StepReport:
     """Share of finished requests by number of turns."""
     mean_duration_by_turns_s: dict[int, float]
     wasted_tokens: int
+    finished_tokens: int
+    """Output tokens of finished requests (what the step kept, before any selection)."""
+    abort_to_idle_s: float | None
+    """Cut to the end of the last aborted request (None: nothing aborted after a cut)."""
+    tail_s: float | None
+    """Step time after ``TAIL_DONE`` of the launched requests had finished (None: they never
+    did, or the trace counts no requests)."""
     completion_times_s: list[float] = field(default_factory=list, repr=False)
     """Finish times since the step start, sorted (for the CDF)."""
 
@@ -90,7 +102,11 @@ def analyse_step(step: StepTrace) -> StepReport:
     by_turns: dict[int, list[float]] = defaultdict(list)
     for r, d in zip(finished, durations, strict=True):
         by_turns[r.turns].append(d)
-    cuts = sorted(step.cuts, key=step.cut_offset)
+    cuts = sorted(step.cuts or step.inferred_cuts, key=step.cut_offset)
+    aborted = [r.end - step.start for r in step.requests if r.status == "aborted"]
+    cut = step.cut_time
+    need = math.ceil(TAIL_DONE * total - eps) if total else 0
+    tail = None if not need or len(done_at) < need else max(st - done_at[need - 1], 0.0)
     return StepReport(
         group=step.group,
         step=step.step,
@@ -111,6 +127,9 @@ def analyse_step(step: StepTrace) -> StepReport:
         turn_mix={k: turns[k] / len(finished) for k in sorted(turns)},
         mean_duration_by_turns_s={k: sum(v) / len(v) for k, v in sorted(by_turns.items())},
         wasted_tokens=sum(r.output_tokens for r in step.requests if r.status == "aborted"),
+        finished_tokens=sum(r.output_tokens for r in finished),
+        abort_to_idle_s=None if cut is None or not aborted else max(max(aborted) - cut, 0.0),
+        tail_s=tail,
         completion_times_s=done_at,
     )
 
@@ -125,11 +144,18 @@ def _s(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
 
 
+def _s3(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
 def render_tables(reports: Sequence[StepReport]) -> list[Any]:
     """Rich tables: counts and times per step; duration percentiles; turn mix."""
     from rich.table import Table
 
-    steps = Table(title="Steps (done@x%: share of launched requests finished by x% of the step)")
+    steps = Table(
+        title="Steps (done@x%: share of launched requests finished by x% of the step; "
+        f"tail: step time after {TAIL_DONE:.0%} had finished)"
+    )
     for col in (
         "step",
         "requests",
@@ -142,6 +168,8 @@ def render_tables(reports: Sequence[StepReport]) -> list[Any]:
         "done@40%",
         "done@50%",
         "wasted tok",
+        "abort→idle s",
+        "tail s",
     ):
         steps.add_column(col, justify="left" if col == "step" else "right", no_wrap=col == "step")
     for r in reports:
@@ -157,6 +185,8 @@ def render_tables(reports: Sequence[StepReport]) -> list[Any]:
             f"{r.done_by_40pct:.1%}",
             f"{r.done_by_50pct:.1%}",
             f"{r.wasted_tokens:,}",
+            _s3(r.abort_to_idle_s),
+            _s(r.tail_s),
         )
     spread = Table(title="Durations of finished requests, launch to completion (s)")
     spread.add_column("step", no_wrap=True)

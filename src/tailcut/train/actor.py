@@ -30,6 +30,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,8 +123,11 @@ class Actor:
         ref_model: Any | None = None,
         device: torch.device | None = None,
         ranks: Ranks = Ranks.single(),  # noqa: B008  # frozen value
+        vocab_rows: int | None = None,
     ) -> None:
         self.cfg = cfg
+        self.vocab_rows = vocab_rows
+        """The LM head's rows the engine samples from (``algo/vocab.py``); None: all."""
         self.ranks = ranks
         self.device = device or next(model.parameters()).device
         self.sharded = ranks.distributed
@@ -138,6 +142,8 @@ class Actor:
                 if m is not None:
                     m.to(self.device)
         self.policy, self.ref = self._heads()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        """Parameters of the whole model (counted before sharding)."""
         if cfg.gradient_checkpointing:
             fsdp.enable_checkpointing(self.model)
         self.autocast_dtype = self._place()
@@ -164,7 +170,10 @@ class Actor:
     def _heads(self) -> tuple[TokenLogProbs, TokenLogProbs | None]:
         def head(m: Any) -> TokenLogProbs:
             return TokenLogProbs(
-                m, temperature=self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens
+                m,
+                temperature=self.temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
+                vocab_rows=self.vocab_rows,
             )
 
         return head(self.model), None if self.ref_model is None else head(self.ref_model)
@@ -242,12 +251,14 @@ class Actor:
         t = to_tensors(batch)
         trained = t.loss_mask * (t.row_valid > 0).unsqueeze(-1).to(t.loss_mask.dtype)
         real = [i for i, v in enumerate(batch.row_valid) if v]
-        plans = self._plans(t, [m for m in _split(real, self.cfg.mini_batches) if m])
+        minis = [m for m in _split(real, self.cfg.mini_batches) if m]
+        plans = self._plans(t, minis)
         mine = torch.zeros(len(batch.row_valid), dtype=trained.dtype)
         for micros in plans:
             for rows in micros:
                 mine[rows] = 1
         pi = self._pi_old(t, plans, trained, mine)
+        scored = self.algo.old_logprobs == "recompute" and not pi.pending  # a pre-pass ran
         sums: dict[str, float] = {}
         n_steps = skipped = 0
         for _ in range(self.cfg.epochs):
@@ -271,8 +282,25 @@ class Actor:
         out["train/rows"] = float(len(real))
         out["train/weight_norm"] = self.weight_norm()
         out.update(self._staleness(t, trained))
+        out.update(self._throughput(t, real, scored=scored))
         self.version += 1
         return out
+
+    def _throughput(self, t: BatchTensors, real: list[int], *, scored: bool) -> dict[str, float]:
+        """``perf/*``: the tokens the update ran through the model (prompt and response of
+        every real row, once per epoch) and the model FLOPs that took, the dense-transformer
+        count (6·N per token forward and backward, 2·N per token of a forward-only pass: the
+        π_old scoring pass when one ran, the reference model when ``kl_coef`` > 0; attention's
+        quadratic part left out). Over the update's seconds (the trainer's
+        ``perf/train_tflops_per_s``), over the device's peak: the MFU."""
+        tokens = float((t.prompt_lens[real] + t.response_lens[real]).sum()) if real else 0.0
+        n = float(self.n_params)
+        passes = 6.0 * self.cfg.epochs + 2.0 * scored + 2.0 * (self.ref is not None)
+        return {
+            "perf/train_tokens": tokens * self.cfg.epochs,
+            "perf/train_flops": passes * n * tokens,
+            "perf/params": n,
+        }
 
     def _correction(self, old: Tensor, engine: Tensor, mask: Tensor) -> Correction:
         a = self.algo
@@ -458,3 +486,19 @@ class Actor:
         actor_state.load_sharded_state(self.model, self.optimizer, state)
         self.optimizer_steps = int(state["optimizer_steps"])
         self.version = int(state["version"])
+
+    def save_dcp(self, path: Path) -> None:
+        """Write this rank's shards (and, from rank 0, DCP's metadata) into ``path``: every
+        rank calls it (a collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.dcp_state(), checkpoint_id=str(path), no_dist=not self.ranks.distributed)
+
+    def load_dcp(self, path: Path) -> None:
+        """Load a DCP directory written on any number of ranks into this actor's shards
+        (every rank calls it; one process reads it whole)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.dcp_state()
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self.ranks.distributed)
+        self.load_dcp_state(state)

@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tailcut.config import AgentLoopConfig, CutoffConfig, EngineConfig, load_config
+from tailcut.config import (
+    AgentLoopConfig,
+    CutoffConfig,
+    EngineConfig,
+    ScheduleConfig,
+    load_config,
+)
 
 
 class _Model(BaseModel):
@@ -100,6 +106,14 @@ class AlgoConfig(_Model):
     tokens (seq: whole sequences) with w outside [1/C, C] from the loss and its denominators."""
     rollout_correction_threshold: float = Field(2.0, gt=1.0, le=1e6)
     """C of ``rollout_correction``."""
+    filter_groups: Literal["none", "zero-std"] = "none"
+    """Dynamic sampling (DAPO, verl's ``filter_groups``): zero-std drops the groups whose
+    rewards are all equal (no learning signal) and launches more groups, in up to
+    ``max_gen_rounds`` extra rounds, until the batch holds ``data.batch_size`` informative
+    groups (``algo/filter.py``)."""
+    max_gen_rounds: int = Field(3, ge=0, le=100)
+    """filter_groups: extra launch rounds a step may take to fill its batch (0: none; the
+    batch is then whatever the first round left)."""
 
 
 class ActorConfig(_Model):
@@ -153,6 +167,16 @@ class RolloutConfig(_Model):
     """Pause Python's cyclic garbage collector while a rollout step runs and collect the
     young generations once at its end (a step allocates many short-lived objects; a
     collection mid-step stalls every trajectory). False: the interpreter's default."""
+    max_retries: int = Field(1, ge=0, le=100)
+    """Group refill: a sample whose rollout FAILED (tool crash, engine error) is relaunched
+    within its step up to this many times, so its group keeps its size
+    (``rollout/refill.py``; 0: never). Failures are counted before refill for
+    ``trainer.max_failed_fraction``."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Length-aware scheduling inside the step (``rollout/spf.py``): ``schedule.kind=spf``
+    holds the likely stragglers' next engine calls until the cut needs them and sends each
+    request with its predicted remaining tokens as its priority; each worker's predictor
+    learns from its earlier steps. fifo (default): every call goes in as it comes."""
 
 
 class TrainerConfig(_Model):
@@ -171,6 +195,11 @@ class TrainerConfig(_Model):
     """Checkpoint every k steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     """Most recent checkpoints kept."""
+    checkpoint_format: Literal["full", "sharded"] = "full"
+    """full: rank 0 gathers the actor's whole state into one ``actor.pt``; sharded:
+    ``torch.distributed.checkpoint``, every rank writing its own shards (no gather; the
+    checkpoint directory must be shared by all ranks). Either resumes on any number of ranks,
+    and a run may resume from either form."""
     run_dir: str = "runs/tailcut"
     """Where the resolved config, metrics, traces, checkpoints and plots go: a directory of
     its own (not the current one, nor one holding other files; ``train/run_dir.py``). It
@@ -233,6 +262,23 @@ class SyncConfig(_Model):
     abort_in_flight: bool = True
     """Abort our requests still running (cut stragglers not yet confirmed stopped) before
     loading; off: the servers let them finish under the old weights first."""
+    method: Literal["disk", "distributed"] = "disk"
+    """SGLang / vLLM servers: disk (a saved directory, loaded by every server) or
+    distributed (SGLang only: the tensors broadcast into the servers' memory over a
+    process group they join, no disk; ``engine/update_group.py``)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """distributed: the group's backend (auto: nccl when the actor is on CUDA, else gloo)."""
+    master_address: str | None = None
+    """distributed: this host's address as the servers reach it (None: the one on the route
+    to the first server)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """distributed: the port this rank hosts the group's rendezvous on (0: a free one; rank r
+    of several uses master_port + r)."""
+    bucket_mb: float = Field(512.0, gt=0.0, le=65536.0)
+    """distributed: tensors are broadcast in buckets of about this many MiB (one server call
+    each; a bucket is held in memory while it is sent)."""
+    timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """distributed: bound on forming the group and on each bucket's broadcast."""
 
 
 class TrainConfig(_Model):
@@ -276,18 +322,31 @@ class TrainConfig(_Model):
             )
         if self.engine.kind in ("sglang", "vllm") and not self.engine.urls:
             raise ValueError(f"engine.urls: engine.kind={self.engine.kind} needs server URLs")
+        if self.sync.method == "distributed" and self.engine.kind != "sglang":
+            raise ValueError(
+                f"sync.method: 'distributed' broadcasts into SGLang servers; engine.kind="
+                f"{self.engine.kind} syncs "
+                + ("in process already" if self.engine.kind == "hf" else "through disk only "
+                   "(vLLM's in-memory path needs its NCCL weight-transfer engine; "
+                   "docs/training.md)")
+                + ", so use sync.method=disk"
+            )  # fmt: skip
         if self.rollout.workers > 1 and self.cutoff.scope == "worker":
             raise ValueError(
                 "cutoff.scope: 'worker' gives each rollout worker its own target; training "
                 "cuts a step with one policy over all workers, so use cutoff.scope=global"
             )
-        if self.trainer.nproc_per_node > 1 and (
-            self.engine.kind != "hf" or self.rollout.workers > 1 or self.rollout.backend != "local"
-        ):
+        n = self.trainer.nproc_per_node
+        if n > 1 and (self.rollout.workers > 1 or self.rollout.backend != "local"):
             raise ValueError(
-                "trainer.nproc_per_node: several ranks run one embedded engine each "
-                "(engine.kind=hf, rollout.workers=1, rollout.backend=local); remote servers "
-                "and Ray workers serve one trainer rank"
+                "trainer.nproc_per_node: with several ranks each rank runs one rollout worker "
+                "(on its embedded engine or its share of engine.urls); use rollout.workers=1, "
+                "rollout.backend=local"
+            )
+        if n > 1 and self.engine.kind in ("sglang", "vllm") and len(self.engine.urls) < n:
+            raise ValueError(
+                f"engine.urls: {len(self.engine.urls)} server(s) for {n} ranks; each rank "
+                "drives its own share of the servers, so give at least one URL per rank"
             )
         if self.rollout.workers > self.data.batch_size:
             raise ValueError(
@@ -295,6 +354,7 @@ class TrainConfig(_Model):
                 f"{self.data.batch_size} prompts (each worker needs a whole group at least)"
             )
         self._check_logprobs()
+        self._check_budget()
         if self.data.overlong_buffer >= self.agent.max_response_tokens:
             raise ValueError(
                 f"data.overlong_buffer: {self.data.overlong_buffer} tokens leave no length "
@@ -303,6 +363,31 @@ class TrainConfig(_Model):
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.train_path: data.task=parquet needs a training file")
         return self
+
+    def _check_budget(self) -> None:
+        """The adaptive cut adapts a share a policy has, from a start within its bounds."""
+        c = self.cutoff
+        if not c.adapt:
+            return
+        if c.policy not in ("target-count", "over-provision", "group-quota"):
+            raise ValueError(
+                f"cutoff.adapt: adapts the cut of target-count, over-provision or group-quota, "
+                f"not cutoff.policy={c.policy}"
+            )
+        if c.adapt_min >= c.adapt_max:
+            raise ValueError(
+                f"cutoff.adapt_min: {c.adapt_min} must be below cutoff.adapt_max={c.adapt_max}"
+            )
+        name, start = (
+            ("abort_ratio", c.abort_ratio)
+            if c.policy == "target-count"
+            else ("over_provision", c.over_provision / (1 + c.over_provision))
+        )
+        if not c.adapt_min <= start <= c.adapt_max:
+            raise ValueError(
+                f"cutoff.{name}: the adaptive cut starts from it (a cut share of {start:.3g}), "
+                f"outside [cutoff.adapt_min={c.adapt_min}, cutoff.adapt_max={c.adapt_max}]"
+            )
 
     def _check_logprobs(self) -> None:
         """π_old from the engine must be the actor's distribution (log_softmax(logits / T))."""

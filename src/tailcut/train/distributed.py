@@ -130,9 +130,10 @@ class Ranks:
 
 def from_env(timeout_s: float) -> Ranks:
     """This process's rank, joining the process group when started by torchrun (``RANK`` and
-    ``WORLD_SIZE`` set and more than one rank); one process otherwise."""
+    ``WORLD_SIZE`` set) — also a group of one, so that ``torchrun --nproc-per-node 1`` runs
+    the sharded actor (FSDP2, CPU offload) as N ranks do; one process otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "RANK" not in os.environ:
+    if "RANK" not in os.environ:
         return Ranks.single()
     import torch.distributed as dist
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from tailcut.algo.loss import entropy_from_logits
+from tailcut.algo.vocab import sampleable
 
 ROW_BLOCK = 16
 """The LM head runs on a multiple of this many token rows (zero rows appended, their outputs
@@ -44,10 +45,20 @@ CPU's MKL), and π_old scored in one pass equals the update's own forward."""
 class TokenLogProbs(torch.nn.Module):
     """Log-probs of response tokens under ``model`` (a transformers causal LM)."""
 
-    def __init__(self, model: Any, *, temperature: float, chunk_tokens: int | None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        temperature: float,
+        chunk_tokens: int | None,
+        vocab_rows: int | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.temperature = temperature
+        self.vocab_rows = vocab_rows
+        """Token ids the engine samples (``algo/vocab.py``): the log-softmax and entropy are
+        over these rows only, the engine's distribution. None: every row."""
         self.chunk_tokens = chunk_tokens
         self.plain_head = head_is_plain(model)
         """False: the model's whole forward (one piece of logits), see the module docstring."""
@@ -72,7 +83,9 @@ class TokenLogProbs(torch.nn.Module):
                 use_cache=False,
             )
             logits = out.logits[:, :-1].reshape(rows * r, -1)
-            logp, ent = _logp_of_logits(logits, targets, self.temperature, want_entropy)
+            logp, ent = _logp_of_logits(
+                logits, targets, self.temperature, want_entropy, self.vocab_rows
+            )
         else:
             hidden = self.model.get_decoder()(
                 input_ids=input_ids,
@@ -102,10 +115,11 @@ class TokenLogProbs(torch.nn.Module):
             h, t = hidden[s : s + size], targets[s : s + size]
             if recompute:
                 lp, ent = checkpoint(
-                    _head_logp, head, h, t, self.temperature, want_entropy, use_reentrant=False
-                )
+                    _head_logp, head, h, t, self.temperature, want_entropy, self.vocab_rows,
+                    use_reentrant=False,
+                )  # fmt: skip
             else:
-                lp, ent = _head_logp(head, h, t, self.temperature, want_entropy)
+                lp, ent = _head_logp(head, h, t, self.temperature, want_entropy, self.vocab_rows)
             lps.append(lp)
             if ent is not None:
                 ents.append(ent)
@@ -120,15 +134,20 @@ def _round_up(n: int, block: int) -> int:
 
 
 def _head_logp(
-    head: Any, hidden: Tensor, targets: Tensor, temperature: float, want_entropy: bool
+    head: Any,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    want_entropy: bool,
+    rows: int | None,
 ) -> tuple[Tensor, Tensor | None]:
-    return _logp_of_logits(head(hidden), targets, temperature, want_entropy)
+    return _logp_of_logits(head(hidden), targets, temperature, want_entropy, rows)
 
 
 def _logp_of_logits(
-    logits: Tensor, targets: Tensor, temperature: float, want_entropy: bool
+    logits: Tensor, targets: Tensor, temperature: float, want_entropy: bool, rows: int | None
 ) -> tuple[Tensor, Tensor | None]:
-    scaled = logits.float() / temperature
+    scaled = sampleable(logits, rows).float() / temperature
     logp = -F.cross_entropy(scaled, targets, reduction="none")
     entropy = None
     if want_entropy:

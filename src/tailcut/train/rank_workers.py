@@ -76,16 +76,16 @@ class RankWorkers(Workers):
         report = coord.report if coord is not None else _pusher(store, keys.events)
         policy = plan.policies[self.ranks.rank]
         background = [asyncio.create_task(self._watch_cut(store, keys.cut))]
+        drained = asyncio.Event()
         if coord is not None:
-            background += [
-                asyncio.create_task(coord.watch()),
-                asyncio.create_task(_drain(store, keys.events, coord)),
-            ]
+            drain = asyncio.create_task(_drain(store, keys.events, coord, drained))
+            background += [asyncio.create_task(coord.watch()), drain]
         try:
             local = await self.worker.run_step(step, mine, policy, report, self.options)
             gathered = await asyncio.to_thread(self.ranks.gather, local)
-            if coord is not None:
-                await _drain_once(store, keys.events, coord)
+            if coord is not None:  # every rank pushed all it had: one last read, by the drainer
+                drained.set()
+                await drain
         finally:
             for task in background:
                 task.cancel()
@@ -135,10 +135,17 @@ async def _drain_once(store: Any, key: str, coord: Coordinator) -> None:
         coord.report(int(index), int(group), Status(status))
 
 
-async def _drain(store: Any, key: str, coord: Coordinator) -> None:
+async def _drain(store: Any, key: str, coord: Coordinator, last: asyncio.Event) -> None:
+    """Read the queue into the coordinator until ``last`` is set, then once more. The only
+    reader of the queue: two would both count the same items and one pop an empty queue
+    (and a pop cut off by a cancel loses its item)."""
     while True:
+        final = last.is_set()
         await _drain_once(store, key, coord)
-        await asyncio.sleep(POLL_S)
+        if final:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(last.wait(), POLL_S)
 
 
 def _in_rank_order(gathered: list[Any]) -> list[WorkerResult | BaseException]:

@@ -38,7 +38,10 @@ async def make_workers(
     (``train/rank_workers.py``)."""
     r = cfg.rollout
     trace_dir = run_dir / "traces" if cfg.trainer.trace else None
-    options = StepOptions(cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause)
+    options = StepOptions(
+        cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause, r.max_retries,
+        r.schedule if r.schedule.kind != "fifo" else None,
+    )  # fmt: skip
     if ranks is not None and ranks.distributed:
         from tailcut.train.rank_workers import RankWorkers
 

@@ -3,10 +3,13 @@ policy update → weight sync → validation (never cut) → log → checkpoint.
 
 One step ``k`` (1-based)::
 
-    resumed partial trajectories + fresh prompts × group size ─► rollout workers
+    resumed partial trajectories + fresh prompts × group size (a long round: the queued
+    prompts, uncut; train/budget.py) ─► rollout workers
       (``rollout.workers``; one cut-off policy over all of them, train/rollout_pool.py)
       ─► plan_rows (drop | mask | partial; deferred samples into the partial buffer,
-         group baselines out of it) ─► advantages over real members
+         group baselines out of it; long rounds: groups with a cut member withheld)
+      ─► algo.filter_groups: extra launch rounds until the batch is full, then the
+         uninformative groups dropped ─► advantages over real members
       ─► assemble ─► actor.update (in a worker thread) ─► weight sync (version k)
       ─► every val_every: validation with wait-all ─► the metrics row (flushed)
       ─► every save_every: checkpoint (after the row: no crash loses a step's row)
@@ -20,6 +23,7 @@ directory is checked first (``train/run_dir.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,17 +37,19 @@ from rich.console import Console
 from rich.markup import escape
 
 from tailcut.algo.advantage import compute_advantages
-from tailcut.algo.batch import assemble, keep_rows, plan_rows
+from tailcut.algo.batch import RowPlan, assemble, keep_rows, plan_rows
 from tailcut.algo.buffers import BatchBuffers
+from tailcut.algo.filter import concat_plans, filter_groups, groups_to_launch, informative_groups
 from tailcut.algo.metrics import (
     batch_metrics,
     failure_summary,
+    filter_metrics,
     partial_metrics,
     rollout_metrics,
     timing_metrics,
     validation_metrics,
 )
-from tailcut.engine.base import Engine
+from tailcut.engine.base import Engine, memory_metrics, release_for_training, resume_for_rollout
 from tailcut.errors import TailcutError
 from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
 from tailcut.rollout.partial import PartialBuffer, TakeResult
@@ -54,6 +60,7 @@ from tailcut.rollout.workers import WorkerRecipe, Workers, plan_for_policy
 from tailcut.trace.events import Tracer
 from tailcut.train import checkpoint as ckpt
 from tailcut.train.actor import Actor
+from tailcut.train.budget import Budget
 from tailcut.train.config import TrainConfig
 from tailcut.train.distributed import Ranks
 from tailcut.train.loggers import Loggers, make_loggers, truncate_jsonl
@@ -96,6 +103,11 @@ class TrainSummary:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+EXTRA_ROUND_STREAM = 1000
+"""Seed stream of a step's extra launch round ``r`` (``algo.filter_groups``): ``1000 + r``,
+apart from the training (0) and validation (1) streams, so a round samples anew."""
+
+
 class TooManyFailures(TailcutError):
     """More of a step's samples FAILED than ``trainer.max_failed_fraction`` allows."""
 
@@ -126,12 +138,14 @@ class Trainer:
         self.partial = cfg.cutoff.aborted == "partial"
         self.buffer = PartialBuffer(max_staleness=cfg.cutoff.max_staleness)
         self.policy_state: dict[str, Any] = {}
+        self.budget = Budget(cfg.cutoff, cfg.data.batch_size)
+        """Long rounds, the adaptive cut, the length ledger, skipped steps (checkpointed)."""
         self.next_group = 0
         self.step = 0
         self.train_s = 0.0
         """Seconds spent in steps so far (validation and checkpoints excluded)."""
         self.history: list[dict[str, float]] = []
-        self.weight_sync = WeightSync(cfg.sync, self.run_dir)
+        self.weight_sync = WeightSync(cfg.sync, self.run_dir, self.ranks)
         self.workers: Workers | None = None
         self.batch_buffers = BatchBuffers()
         """Reused by every step's batch (a step's batch is done with before the next)."""
@@ -204,73 +218,183 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------
 
     async def _one_step(self, step: int) -> dict[str, float]:
-        """rollout → rows → advantages → batch → update → weight sync, in that order; each
-        stage adds its metrics (built in ``algo/metrics``) as it ends."""
+        """rollout (and, with ``algo.filter_groups``, more rounds until the batch is full)
+        → rows → group filter → advantages → batch → update → weight sync, in that order;
+        each stage adds its metrics (built in ``algo/metrics``) as it ends. A long round
+        (``cutoff.long_rounds``) runs the queued prompts uncut instead of fresh ones."""
         t0, reward_s0 = time.monotonic(), self._reward_s()
         self.fault(step, "rollout")
         taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
-        policy = self._policy(len(taken.resumed))
-        samples = self._launch(step, taken.resumed, policy.n_launch)
-        audit = bool(self.cfg.cutoff.audit_every) and step % self.cfg.cutoff.audit_every == 0
-        result = await self._rollout(step, samples, policy, audit)
-        self._check_failures(step, result)
+        long_round = self.budget.long_round_due()
+        audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
+        policy = self._policy(self.cfg.n_target + len(taken.resumed))
+        if long_round:
+            rows_data = self.budget.take_long_round()
+            samples = self._launch(step, taken.resumed, len(taken.resumed), rows_data)
+        else:
+            samples = self._launch(step, taken.resumed, policy.n_launch)
+        result = await self._rollout(step, samples, policy, uncut=audit or long_round)
         metrics = rollout_metrics(result, policy.would_keep(result.samples) if audit else None)
         metrics["rollout/audit"] = float(audit)
-        t_rollout = time.monotonic()
-        rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
+        metrics["long/round"] = float(long_round)
+        if audit:
+            metrics["bias/length"] = self.budget.audit(
+                result.samples, policy.would_keep(result.samples)
+            )
+        rows = await self._fill(step, result, audit or long_round, metrics)
+        t_rollout, loop_rollout = time.monotonic(), asyncio.get_running_loop().time()
         baselines = None
         if self.partial:
             baselines = self.buffer.settle(step, rows)
+            self.budget.queue_lost(self.buffer.pop_lost(), step)
             metrics.update(partial_metrics(taken, len(self.buffer), self.buffer.dropped_total))
         a = self.cfg.algo
+        target = self.cfg.data.batch_size if a.filter_groups != "none" else None
+        filtered = filter_groups(rows, a.filter_groups, baselines, target)
+        rows = filtered.plan
         adv = compute_advantages(
             rows.rewards, rows.groups, rows.valid, estimator=a.estimator,
             small_group=a.small_group, eps=a.adv_eps, baseline_rewards=baselines,
         )  # fmt: skip
         rows, advantages = keep_rows(rows, adv.advantages, adv.keep)
-        batch = assemble(rows, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
-        metrics.update(batch_metrics(batch, adv))
-        self.fault(step, "update")
-        metrics.update(await asyncio.to_thread(self.actor.update, batch))
-        metrics["train/version"] = float(self.actor.version)
-        t_train = time.monotonic()
-        self.fault(step, "sync")
-        metrics.update(await self._sync_weights())
-        phases = {"rollout": t_rollout - t0, "train": t_train - t_rollout}
-        phases["sync"] = time.monotonic() - t_train
+        metrics.update(filter_metrics(filtered, metrics.pop("batch/gen_rounds", 0.0)))
+        trained = [s for s, ok in zip(rows.samples, rows.valid, strict=True) if ok]
+        metrics["length/trained_mean"] = self.budget.ledger.trained(trained)
+        skip = self.ranks.broadcast(a.filter_groups != "none" and not trained)
+        phases = {"rollout": t_rollout - t0}
+        if skip:  # the filter left nothing to learn from: no update, no sync
+            self.budget.skipped_steps += 1
+            metrics["batch/skipped"] = 1.0
+            phases["train"] = phases["sync"] = 0.0
+        else:
+            batch = assemble(rows, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
+            metrics.update(batch_metrics(batch, adv))
+            self.fault(step, "update")
+            mode = self.cfg.engine.release_between_steps  # colocation: the engine steps aside
+            released = await release_for_training(self.setup.engine, mode)
+            try:
+                metrics.update(await asyncio.to_thread(self.actor.update, batch))
+            finally:  # before the sync, so that it writes into the engine's device memory
+                resumed = await resume_for_rollout(self.setup.engine, mode)
+            metrics.update(memory_metrics(released, resumed))
+            metrics["train/version"] = float(self.actor.version)
+            t_train = time.monotonic()
+            self.fault(step, "sync")
+            metrics.update(await self._sync_weights())
+            phases["train"] = t_train - t_rollout
+            phases["sync"] = time.monotonic() - t_train
+        if not long_round:  # the update's and sync's seconds on the clock the rollout ran on
+            overhead = asyncio.get_running_loop().time() - loop_rollout
+            self.budget.learn(result.samples, self.ranks.broadcast(overhead))
+        metrics.update(self.budget.metrics())
         metrics.update(timing_metrics(phases, self._reward_s() - reward_s0))
+        if torch.cuda.is_available():  # this process's peak over the step (engine + actor)
+            metrics["memory/peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        if phases["train"] > 0:  # the update's rates (``Actor._throughput``)
+            metrics["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / phases["train"]
+            metrics["perf/train_tflops_per_s"] = (
+                metrics["perf/train_flops"] / phases["train"] / 1e12
+            )
         return metrics
+
+    def _rows(self, step: int, result: StepResult) -> RowPlan:
+        """A round's rows (``cutoff.aborted``), its failures checked, groups with a cut member
+        withheld for a long round (``cutoff.long_rounds``, drop and mask)."""
+        self._check_failures(step, result)
+        rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
+        return rows if self.partial else self.budget.withhold(rows, result.samples, step)
+
+    async def _fill(
+        self, step: int, first: StepResult, uncut: bool, metrics: dict[str, float]
+    ) -> RowPlan:
+        """The rows of the step's first round and, with ``algo.filter_groups``, of extra
+        rounds of fresh groups (cut by the same policy; at most ``algo.max_gen_rounds``)
+        while fewer than ``data.batch_size`` groups are informative. Rank 0's count decides
+        for every rank."""
+        plans = [self._rows(step, first)]
+        a, g = self.cfg.algo, self.cfg.algo.group_size
+        seen = len({s.group for s in first.samples})
+        rounds = launched = 0
+        while a.filter_groups != "none" and rounds < a.max_gen_rounds:
+            rows = concat_plans(plans)
+            base = self.buffer.baseline_rewards(rows.groups) if self.partial else None
+            good = len(informative_groups(rows, base))
+            missing = int(self.ranks.broadcast(self.cfg.data.batch_size - good))
+            if missing <= 0:
+                break
+            assert self.workers is not None, "run() starts the rollout workers"
+            n = (
+                groups_to_launch(
+                    missing, good, seen, cap=self.cfg.data.batch_size, floor=self.workers.n_workers
+                )
+                * g
+            )
+            rounds += 1
+            policy = self._policy(n)  # over-provision, group-quota: launches more than n
+            stream = EXTRA_ROUND_STREAM + rounds
+            samples = self._launch(step, [], policy.n_launch, stream=stream)
+            result = await self._rollout(step, samples, policy, uncut=uncut, learn=False)
+            plans.append(self._rows(step, result))
+            seen += len(samples) // g
+            launched += len(samples)
+        metrics["batch/gen_rounds"] = float(rounds)
+        metrics["rollout/launched_extra"] = float(launched)
+        return plans[0] if len(plans) == 1 else concat_plans(plans)
 
     def _check_failures(self, step: int, result: StepResult) -> None:
         """Show the step's FAILED samples by cause; past ``trainer.max_failed_fraction`` of
-        the ended ones, stop the run with those causes."""
+        the ended ones (counted before refill: a relaunched sample that recovered counts),
+        stop the run with those causes."""
         failures = failure_summary(result.samples)
-        if not failures.failed:
+        if result.recovered:
+            self.console.print(
+                f"[yellow]step {step}: {result.recovered} failed sample(s) relaunched and "
+                f"recovered ({result.retries} relaunches)[/yellow]"
+            )
+        if not failures.failed and not result.recovered:
             return
         limit = self.cfg.trainer.max_failed_fraction
-        if failures.fraction > limit:
+        ended = failures.ended
+        if ended and result.failed_before_refill / ended > limit:
             raise TooManyFailures(
-                f"step {step}: {failures.line()} (over trainer.max_failed_fraction={limit}; "
-                f"each request is in the traces under {self.run_dir / 'traces'})"
+                f"step {step}: {failures.line()} (before refill {result.failed_before_refill}/"
+                f"{ended}; over trainer.max_failed_fraction={limit}; each request is in the "
+                f"traces under {self.run_dir / 'traces'})"
+                if result.recovered
+                else f"step {step}: {failures.line()} (over trainer.max_failed_fraction="
+                f"{limit}; each request is in the traces under {self.run_dir / 'traces'})"
             )
-        self.console.print(f"[yellow]step {step}: {escape(failures.line())}[/yellow]")
+        if failures.failed:
+            self.console.print(f"[yellow]step {step}: {escape(failures.line())}[/yellow]")
 
     def _reward_s(self) -> float:
         return self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
 
-    def _policy(self, n_resumed: int) -> CutoffPolicy:
-        """This step's cut-off policy (built once a step, with the state it has learned)."""
-        g = self.cfg.algo.group_size
-        policy = make_policy(self.cfg.cutoff, self.cfg.n_target + n_resumed, g)
+    def _policy(self, n_target: int) -> CutoffPolicy:
+        """A cut-off policy for ``n_target`` samples (built once a round, with the state it
+        has learned and this step's adaptive share)."""
+        policy = make_policy(self.budget.cutoff(), n_target, self.cfg.algo.group_size)
         policy.load_state_dict(self.policy_state)
         return policy
 
-    def _launch(self, step: int, resumed: list[Sample], n_launch: int) -> list[Sample]:
-        """Resumed partial trajectories first, then fresh groups up to ``n_launch``: numbered
-        once, in launch order over the whole step; fresh ones seeded by that number."""
+    def _launch(
+        self,
+        step: int,
+        resumed: list[Sample],
+        n_launch: int,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+        stream: int = TRAIN_STREAM,
+    ) -> list[Sample]:
+        """Resumed partial trajectories first, then fresh groups up to ``n_launch`` (or, for
+        a long round, one whole group of each of ``rows``): numbered once, in launch order
+        over the round; fresh ones seeded by that number (an extra round: its own stream)."""
         g = self.cfg.algo.group_size
-        n_fresh = n_launch - len(resumed)
-        rows = self.prompts.take(-(-n_fresh // g))
+        if rows is None:
+            rows = self.prompts.take(-(-(n_launch - len(resumed)) // g))
+            n_fresh = n_launch - len(resumed)
+        else:
+            n_fresh = len(rows) * g
         fresh = [
             Sample(index=0, group=self.next_group + j // g, data=dict(rows[j // g]))
             for j in range(n_fresh)
@@ -279,18 +403,25 @@ class Trainer:
         samples = resumed + fresh
         for i, s in enumerate(samples):
             s.index = i
-        seed_samples(fresh, self.cfg.trainer.seed, TRAIN_STREAM, step)  # resumed keep theirs
+        seed_samples(fresh, self.cfg.trainer.seed, stream, step)  # resumed keep theirs
         return samples
 
     async def _rollout(
-        self, step: int, samples: list[Sample], policy: CutoffPolicy, audit: bool
+        self,
+        step: int,
+        samples: list[Sample],
+        policy: CutoffPolicy,
+        *,
+        uncut: bool,
+        learn: bool = True,
     ) -> StepResult:
-        """The step over every worker, cut by ``policy`` (never cut on an audit step)."""
-        run_policy = WaitAll(len(samples), self.cfg.algo.group_size) if audit else policy
+        """One round over every worker, cut by ``policy`` (never cut on an audit step or a
+        long round); ``learn``: the policy's learned state is kept (the first round)."""
+        run_policy = WaitAll(len(samples), self.cfg.algo.group_size) if uncut else policy
         assert self.workers is not None, "run() starts the rollout workers"
         plan = plan_for_policy(run_policy, [s.group for s in samples], self.workers.n_workers)
         result = await self.workers.run_step(step, plan, samples)
-        if not audit:  # the policy that ran (a Ray worker's copy comes back into the plan)
+        if learn and not uncut:  # the policy that ran (a Ray worker's copy comes back)
             self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
         return result
 
@@ -301,16 +432,26 @@ class Trainer:
 
     async def _validate(self, step: int) -> dict[str, float]:
         """One sample per validation prompt with the wait-all policy: never cut; the same
-        seeds every time, so differences are the policy's."""
+        seeds every time, so differences are the policy's. With several ranks each rank's
+        engine runs every world-th prompt (seeded by its place in the whole set) and the
+        metrics are of all of them, the same on every rank."""
         t0 = time.monotonic()
         rows = list(self.setup.val_prompts)[: self.cfg.data.val_size]
         samples = [Sample(index=i, group=i, data=dict(r)) for i, r in enumerate(rows)]
         seed_samples(samples, self.cfg.trainer.seed, VALIDATION_STREAM, 0)
+        mine = samples[self.ranks.rank :: self.ranks.world]
+        for j, x in enumerate(mine):  # the scheduler's launch order; the seed stays the set's
+            x.index = x.group = j
         result = await run_step(
-            self.setup.engine, samples, self.setup.val_rollout, WaitAll(len(samples), 1),
+            self.setup.engine, mine, self.setup.val_rollout, WaitAll(len(mine), 1),
             Tracer(None, step=step), abort_deadline_s=self.cfg.engine.abort_deadline_s,
             gc_pause=self.cfg.rollout.gc_pause,
         )  # fmt: skip
+        if self.ranks.distributed:
+            shares = await asyncio.to_thread(self.ranks.gather, result.samples)
+            merged = [x for share in shares or [] for x in share]  # rank order
+            merged = await asyncio.to_thread(self.ranks.broadcast, merged)
+            result = dataclasses.replace(result, samples=merged)
         return validation_metrics(result, time.monotonic() - t0)
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -322,26 +463,26 @@ class Trainer:
             "next_group": self.next_group,
             "policy": self.policy_state,
             "partial": self.buffer.state_dict(),
+            "budget": self.budget.state_dict(),
             "train_s": self.train_s,
             "rng": ckpt.rng_state(),
         }
 
     def _save(self, step: int) -> float:
-        """The checkpoint of ``step``. With several ranks the actor's full state is gathered
-        (every rank takes part) and rank 0 writes it: the same files as one rank, so a run
-        resumes on any number of ranks."""
+        """The checkpoint of ``step`` (every rank takes part): the actor's full state gathered
+        and written by rank 0, or every rank's shards through DCP
+        (``trainer.checkpoint_format``); either resumes on any number of ranks."""
         t0 = time.monotonic()
-        actor_state = self.actor.state_dict()
-        if self.ranks.is_main:
-            ckpt.save_checkpoint(
-                self.run_dir,
-                step,
-                actor_state,
-                self._state(),
-                keep=self.cfg.trainer.keep_checkpoints,
-                before_rename=lambda: self.fault(step, "checkpoint"),
-            )
-        self.ranks.barrier()
+        sharded = self.cfg.trainer.checkpoint_format == "sharded"
+        ckpt.save_checkpoint(
+            self.run_dir,
+            step,
+            self.actor.save_dcp if sharded else self.actor.state_dict(),
+            self._state(),
+            keep=self.cfg.trainer.keep_checkpoints,
+            before_rename=lambda: self.fault(step, "checkpoint"),
+            ranks=self.ranks,
+        )
         return time.monotonic() - t0
 
     def _restore(self) -> int | None:
@@ -356,16 +497,20 @@ class Trainer:
             found = ckpt.load_latest(self.run_dir, self._warn)
             if found is None:
                 return None
-            path, actor_state, state = found
+            path, actor, state = found
         else:
             path = Path(how)
-            actor_state, state = ckpt.load_checkpoint(path)
-        self.actor.load_state_dict(actor_state)
+            actor, state = ckpt.load_checkpoint(path)
+        if isinstance(actor, Path):
+            self.actor.load_dcp(actor)
+        else:
+            self.actor.load_state_dict(actor)
         self.step = int(state["step"])
         self.prompts.load_state_dict(state["prompts"])
         self.next_group = int(state["next_group"])
         self.policy_state = dict(state["policy"])
         self.buffer.load_state_dict(state["partial"])
+        self.budget.load_state_dict(state.get("budget") or {})
         self.train_s = float(state.get("train_s", 0.0))
         ckpt.set_rng_state(state["rng"])
         if self.ranks.is_main:

@@ -21,19 +21,34 @@ How depends on what the engine offers:
 The directory (``sync.dir``, default ``RUN_DIR/weights``) must be readable by the servers
 at the same path: on other hosts, a shared filesystem. One run per directory.
 
+* in memory (``sync.method=distributed``, SGLang servers): no disk; each rank broadcasts
+  the full tensors into its share of the servers over a process group they join::
+
+      actor.full_params(dtype, device) ─ one tensor at a time (sharded: a collective,
+            │                            every rank gathers every tensor)
+            ▼ buckets of ~sync.bucket_mb
+      engine.update_weights_from_distributed(buckets, 7): the first time, the group is
+            │  formed (this rank is its rank 0; the servers' TP workers the others); each
+            ▼  bucket is broadcast while every server receives and loads it
+      the servers tag their outputs with version 7; the ranks meet at a barrier
+
+  A rank whose servers fail still runs the gather to its end (the other ranks are in it)
+  and then raises, naming the server and the step.
+
 :class:`WeightSync` is the one entry point the trainer calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,6 +58,7 @@ from tailcut.engine.base import EngineError
 from tailcut.train.actor import Actor
 from tailcut.train.checkpoint import fsync_path
 from tailcut.train.config import SyncConfig
+from tailcut.train.distributed import Ranks
 
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
 TMP_DIR = re.compile(r"^\.v\d{6,}\.tmp-\d+$")
@@ -74,6 +90,23 @@ class LoadsFromDisk(Protocol):
 
 
 @runtime_checkable
+class LoadsDistributed(Protocol):
+    """An engine whose servers take tensors broadcast over a process group (SGLang)."""
+
+    name: str
+
+    async def update_weights_from_distributed(
+        self,
+        buckets: AsyncIterator[list[tuple[str, torch.Tensor]]],
+        weight_version: int,
+        options: Any,
+        *,
+        abort_in_flight: bool = False,
+        flush_cache: bool = True,
+    ) -> Any: ...
+
+
+@runtime_checkable
 class LoadsInProcess(Protocol):
     """An engine that takes the tensors in place (the embedded HF engine)."""
 
@@ -84,8 +117,9 @@ class WeightSync:
     """Pushes the actor's weights to the engine; call it after every update (and once
     before the first rollout). Returns the step's ``sync/*`` metrics."""
 
-    def __init__(self, cfg: SyncConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: SyncConfig, run_dir: Path, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks or Ranks.single()
         self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "weights"
         self.loaded: list[Path] = []
         """Directories the servers loaded, oldest first."""
@@ -94,6 +128,15 @@ class WeightSync:
     async def __call__(self, engine: Any, actor: Actor) -> dict[str, float]:
         first, self._first = self._first, False
         version = actor.version
+        if self.cfg.method == "distributed":
+            if not isinstance(engine, LoadsDistributed):
+                raise EngineError(
+                    f"sync.method=distributed: the {getattr(engine, 'name', type(engine).__name__)}"
+                    f" engine has no in-memory path from a trainer process; use sync.method=disk"
+                )
+            if first and version == 0 and not self.cfg.at_start:
+                return {}
+            return await self._in_memory(engine, actor)
         if isinstance(engine, LoadsFromDisk):
             if first and version == 0 and not self.cfg.at_start:
                 return {}
@@ -114,12 +157,25 @@ class WeightSync:
             return {"sync/load_s": time.monotonic() - t0, "sync/version": float(version)}
         return {}
 
+    def _save(self, actor: Actor) -> Path | None:
+        """The policy saved for the servers (rank 0; None elsewhere). Sharded, every rank
+        joins the gather, tensor by tensor, and rank 0 keeps them on the CPU."""
+        source = _source_dir(actor.model)
+        if not actor.sharded:
+            return save_policy(actor.model, self.root, actor.version, self.cfg.dtype, source)
+        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
+        device = torch.device("cpu")
+        state = dict(actor.full_params(dtype=dtype, device=device))
+        if not self.ranks.is_main:
+            return None
+        return save_policy(
+            actor.model, self.root, actor.version, self.cfg.dtype, source, state=state
+        )
+
     async def _through_disk(self, engine: LoadsFromDisk, actor: Actor) -> dict[str, float]:
         version = actor.version
         t0 = time.monotonic()
-        path = await asyncio.to_thread(
-            save_policy, actor.model, self.root, version, self.cfg.dtype, _source_dir(actor.model)
-        )
+        path = Path(self.ranks.broadcast(str(await asyncio.to_thread(self._save, actor))))
         t1 = time.monotonic()
         try:
             await engine.update_weights_from_disk(
@@ -132,13 +188,67 @@ class WeightSync:
             ) from exc
         t2 = time.monotonic()
         self.loaded = [p for p in self.loaded if p != path] + [path]
-        await asyncio.to_thread(prune, self.root, self.loaded[-self.cfg.keep :])
+        await asyncio.to_thread(self.ranks.barrier)  # every rank's servers hold the new one
+        if self.ranks.is_main:
+            await asyncio.to_thread(prune, self.root, self.loaded[-self.cfg.keep :])
         return {
             "sync/save_s": t1 - t0,
             "sync/load_s": t2 - t1,
             "sync/bytes": float(dir_bytes(path)),
             "sync/version": float(version),
         }
+
+    async def _in_memory(self, engine: LoadsDistributed, actor: Actor) -> dict[str, float]:
+        from tailcut.engine.sglang import GroupOptions
+
+        version = actor.version
+        backend = self.cfg.backend
+        if backend == "auto":
+            backend = "nccl" if actor.device.type == "cuda" else "gloo"
+        device = actor.device if backend == "nccl" else torch.device("cpu")
+        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
+        port = self.cfg.master_port + self.ranks.rank if self.cfg.master_port else 0
+        options = GroupOptions(backend, self.cfg.master_address, port, self.cfg.timeout_s)
+        params = actor.full_params(dtype=dtype, device=device)
+        skip = tied_aliases(actor.model)
+        try:
+            done = await engine.update_weights_from_distributed(
+                self._buckets(params, skip), version, options,
+                abort_in_flight=self.cfg.abort_in_flight,
+            )  # fmt: skip
+        except EngineError as exc:
+            if actor.sharded:  # the other ranks are in the gather: see it through
+                await asyncio.to_thread(collections.deque, params, 0)
+            raise EngineError(
+                f"weight sync at step {version} (rank {self.ranks.rank}): the {engine.name} "
+                f"engine did not take version {version} in memory: {exc}"
+            ) from exc
+        await asyncio.to_thread(self.ranks.barrier)  # every rank's servers hold the new one
+        return {
+            "sync/init_s": float(done.init_s),
+            "sync/load_s": float(done.send_s),
+            "sync/bytes": float(done.bytes),
+            "sync/version": float(version),
+        }
+
+    async def _buckets(
+        self, params: Iterator[tuple[str, torch.Tensor]], skip: set[str]
+    ) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+        """``params`` (gathered off the event loop) in buckets of about ``sync.bucket_mb``;
+        the names in ``skip`` (tied copies: the server ties them too) are not sent."""
+        limit = self.cfg.bucket_mb * 2**20
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        while (item := await asyncio.to_thread(next, params, None)) is not None:
+            if item[0] in skip:
+                continue
+            bucket.append(item)
+            size += item[1].numel() * item[1].element_size()
+            if size >= limit:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
 
 
 # -- saving ------------------------------------------------------------------------------
@@ -149,9 +259,15 @@ def version_dir(root: Path, version: int) -> Path:
 
 
 def save_policy(
-    model: Any, root: Path, version: int, dtype: str = "auto", source: Path | None = None
+    model: Any,
+    root: Path,
+    version: int,
+    dtype: str = "auto",
+    source: Path | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Save ``model`` as a Hugging Face directory ``root/v{version:06d}`` atomically (a
+    """Save ``model`` (its config, and ``state`` as its weights when given: the full tensors
+    of a sharded model) as a Hugging Face directory ``root/v{version:06d}`` atomically (a
     temp dir, every file fsynced, renamed into place), with the tokenizer files of
     ``source``; an existing directory of that version is replaced. Returns its path."""
     root = Path(root)
@@ -161,7 +277,8 @@ def save_policy(
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        state = _cast_state(model, DTYPES[dtype]) if dtype != "auto" else None
+        if state is None and dtype != "auto":
+            state = _cast_state(model, DTYPES[dtype])
         with _quiet_progress():
             model.save_pretrained(tmp, state_dict=state)
         if dtype != "auto":
@@ -200,6 +317,18 @@ def prune(root: Path, keep: list[Path]) -> list[Path]:
             shutil.rmtree(entry)
             removed.append(entry)
     return removed
+
+
+def tied_aliases(model: Any) -> set[str]:
+    """The parameter names that repeat an earlier one (tied weights, e.g. ``lm_head.weight``
+    of a model with tied embeddings): a server with the same model ties them itself."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
 
 
 def dir_bytes(path: Path) -> int:

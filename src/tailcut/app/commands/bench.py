@@ -16,12 +16,17 @@ if TYPE_CHECKING:
 
     from tailcut.bench.sim_bench import BenchReport
 
-POLICIES_HELP = ", ".join(POLICIES)
+POLICIES_HELP = ", ".join(
+    (*POLICIES, "spf+target-count", "spf+over-provision", "spf-truth+target-count")
+)
 
 EngineOpt = Annotated[
     str, typer.Option(help="sim (simulated), hf (embedded model) or batch (batch assembly).")
 ]
-WorkloadOpt = Annotated[str, typer.Option(help="Named workload: seed-gsm8k, skewed, outlier.")]
+WorkloadOpt = Annotated[
+    str,
+    typer.Option(help="Named workload: seed-gsm8k, skewed, outlier, no-signal, strong-signal."),
+]
 Requests = Annotated[
     int | None,
     typer.Option(
@@ -56,6 +61,12 @@ DecodeC = Annotated[
 ]
 Prefill = Annotated[float | None, typer.Option(help="Sim: prefill cost per prompt token (s).")]
 KvCapacity = Annotated[int | None, typer.Option(help="Sim: KV-cache capacity (tokens).")]
+MaxRunning = Annotated[
+    int | None, typer.Option(min=1, help="Sim: most sequences decoded together (max_num_seqs).")
+]
+Preemption = Annotated[
+    str | None, typer.Option(help="Sim: a paused request's KV cache: recompute or keep.")
+]
 Model = Annotated[str, typer.Option(help="hf engine: model directory or 'builtin'.")]
 MaxNewTokens = Annotated[
     int, typer.Option(min=1, help="hf: most new tokens per request (lengths heavy-tailed below).")
@@ -71,6 +82,17 @@ Repeats = Annotated[
     int, typer.Option(min=1, help="hf: alternating engine/generate runs (median ratio).")
 ]
 Threads = Annotated[int | None, typer.Option(min=1, help="hf: torch CPU threads.")]
+BatchSizes = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--batch-size", min=1,
+        help="hf: sweep batch sizes (repeat): tokens/s beside the weight-read bound, decode "
+        "and prefill ms/pass, peak memory, release/resume (instead of the generate comparison).",
+    ),
+]  # fmt: skip
+HbmGbs = Annotated[
+    float, typer.Option(min=1.0, help="hf --batch-size: memory bandwidth of the bound, GB/s.")
+]
 Workers = Annotated[
     int,
     typer.Option(
@@ -80,6 +102,13 @@ Workers = Annotated[
 Scope = Annotated[
     list[str] | None,
     typer.Option(help="With --workers: worker and/or global (repeat; default both)."),
+]
+SpfMargin = Annotated[
+    float,
+    typer.Option(min=0.0, max=1.0, help="spf: allowed beyond those needed, × the over-sample."),
+]
+SpfNeedRatio = Annotated[
+    float, typer.Option(min=0.0, help="spf: ... and at least this many × those still needed.")
 ]
 Ray = Annotated[
     bool, typer.Option("--ray", help="With --workers: also measure a global cut on Ray actors.")
@@ -97,6 +126,9 @@ def bench(
     max_new_tokens: MaxNewTokens = 256, device: Device = "auto", concurrency: Concurrency = 64,
     lengths: Lengths = "budget", repeats: Repeats = 1, threads: Threads = None,
     workers: Workers = 1, scope: Scope = None, ray: Ray = False,
+    batch_size: BatchSizes = None, hbm_gbs: HbmGbs = 4800.0,
+    spf_margin: SpfMargin = 0.05, spf_need_ratio: SpfNeedRatio = 1.0,
+    max_running: MaxRunning = None, preemption: Preemption = None,
 ) -> None:  # fmt: skip
     """Benchmark every cut-off policy on one workload against the clairvoyant oracle."""
     if workers > 1:
@@ -123,7 +155,10 @@ def _sim(o: dict[str, Any]) -> None:
     from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
     from tailcut.config import SimEngineConfig
 
-    sim_keys = ("decode_a_s", "decode_c_s", "prefill_s_per_token", "kv_capacity_tokens")
+    sim_keys = (
+        "decode_a_s", "decode_c_s", "prefill_s_per_token", "kv_capacity_tokens", "max_running",
+        "preemption",
+    )  # fmt: skip
     lengths_file, requests = o["lengths_file"], o["requests"]
     try:
         engine_cfg = SimEngineConfig(**{k: o[k] for k in sim_keys if o[k] is not None})
@@ -139,6 +174,7 @@ def _sim(o: dict[str, Any]) -> None:
             warmup_steps=0 if lengths_file is not None else o["warmup_steps"],
             policies=tuple(o["policy"]) if o["policy"] else POLICY_NAMES,
             trace_dir=o["trace_dir"], overhead=o["overhead"], scale_cut=o["scale_cut"],
+            spf_margin=o["spf_margin"], spf_need_ratio=o["spf_need_ratio"],
         )  # fmt: skip
         unknown = sorted(set(opts.policies) - set(POLICY_NAMES))
         if unknown:
@@ -151,7 +187,7 @@ def _sim(o: dict[str, Any]) -> None:
                 err=True,
             )
         report = run_sim_bench(wl, engine_cfg, opts)
-    except (WorkloadError, ValueError) as exc:
+    except (WorkloadError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise typer.BadParameter(str(exc)) from None
     if o["json_out"]:
         print(json.dumps(report.to_json(), indent=2, default=str))
@@ -244,12 +280,28 @@ def _hf(options: dict[str, Any]) -> None:
         raise typer.BadParameter(
             f"the hf benchmark is not available: {exc}", param_hint="--engine"
         ) from None
-    for key in ("engine", "workers", "scope", "ray"):
+    for key in (
+        "engine", "workers", "scope", "ray", "spf_margin", "spf_need_ratio", "max_running",
+        "preemption",
+    ):  # fmt: skip
         options.pop(key)
-    if options["model"] == "builtin":
+    from tailcut.models.resolve import BUILTINS
+
+    spec = options["model"]
+    if spec in BUILTINS:
         from tailcut.app.wiring import model_dir
 
-        options.update(model=str(model_dir("builtin")), arith_task=True, name="builtin")
+        options.update(model=str(model_dir(spec)), arith_task=spec == "builtin", name=spec)
+    sizes, hbm_gbs = options.pop("batch_size"), options.pop("hbm_gbs")
+    if sizes:
+        from tailcut.bench.hf_sweep import run_hf_sweep
+
+        o = options
+        run_hf_sweep(
+            o["model"], sizes, o["max_new_tokens"], device=o["device"], hbm_gbs=hbm_gbs,
+            seed=o["seed"], threads=o["threads"], json_out=o["json_out"], name=o.get("name"),
+        )  # fmt: skip
+        return
     run_hf_bench(**options)
 
 
@@ -273,6 +325,10 @@ CUT_COLUMNS: tuple[tuple[str, int], ...] = (
     ("wasted_tokens", 2), ("abort_to_idle_ms", 3), ("cut_to_settled_ms", 2),
     ("overhead_us_per_request", 1),
 )  # fmt: skip
+SCHEDULE_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("bias_length", 3), ("prediction_spearman", 3), ("held_calls", 0),
+)  # fmt: skip
+"""Length-aware scheduling: kept/launched output length, predictor accuracy, calls held."""
 
 
 def _rows_table(title: str, columns: tuple[tuple[str, int], ...], report: BenchReport) -> Any:
@@ -311,6 +367,7 @@ def render(report: BenchReport, console: Console | None = None) -> None:
     cut = _rows_table("cut (real time of the code under test)", CUT_COLUMNS, report)
     con.print(timing)
     con.print(cut)
+    con.print(_rows_table("length bias and scheduling", SCHEDULE_COLUMNS, report))
     bad = [r.policy for r in report.rows if r.bound_s > r.oracle_s + 1e-9]
     if bad:
         con.print(f"[red]bound_s > oracle_s for {', '.join(bad)}: the bound is wrong[/]")

@@ -18,7 +18,7 @@ model_app = typer.Typer(
     help="Build and locate the built-in tiny models (default: calculator; code: code interpreter).",
     no_args_is_help=True,
 )
-VARIANT_NAMES = ("arith", "code")
+VARIANT_NAMES = ("arith", "code", "qwen2-0.5b", "qwen2-1.5b")
 """``--variant`` choices: the keys of ``models/build.VARIANTS``."""
 
 
@@ -50,6 +50,12 @@ def _summary(result: BuildResult) -> Any:
     table.add_row("path", str(result.path))
     table.add_row("hash", result.hash)
     table.add_row("parameters", f"{info['parameters']:,}")
+    if info["recipe"].get("random_init"):  # a size preset: random weights, nothing trained
+        table.add_row(
+            "vocabulary", f"{info['vocab_size']:,} rows, {info['tokenizer_rows']} sampled"
+        )
+        table.add_row("build time", f"{info['build_seconds']:.0f} s")
+        return table
     table.add_row(
         "build time", f"{info['build_seconds']:.0f} s" + (" (earlier)" if result.cached else "")
     )
@@ -82,7 +88,9 @@ def init(
         str,
         typer.Option(
             help="arith: SFT on calculator calls (model spec 'builtin'); code: on "
-            "code_interpreter calls for DAPO-layout problems ('builtin-code')."
+            "code_interpreter calls for DAPO-layout problems ('builtin-code'); qwen2-0.5b, "
+            "qwen2-1.5b: random-init Qwen2 sizes with a 151,936-row vocabulary and the "
+            "built-in tokenizer ('builtin-qwen2-0.5b', 'builtin-qwen2-1.5b')."
         ),
     ] = "arith",
 ) -> None:

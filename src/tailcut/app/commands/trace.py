@@ -1,4 +1,5 @@
-"""``tailcut trace perfetto`` and ``tailcut report``: look at a traced run.
+"""``tailcut trace perfetto`` and ``tailcut report``: look at a traced run (tailcut's traces,
+earlier tailcut traces and the reference profiler's).
 
 Heavy imports (rich, matplotlib) stay inside the commands. Errors are one line on stderr
 (exit 1); parts of a trace skipped as cut short by a crash are warnings on stderr.
@@ -82,27 +83,36 @@ def report(
         Path | None,
         typer.Option(help="Completion-CDF PNG (default: completion_cdf.png in RUN_DIR)."),
     ] = None,
-    no_plot: Annotated[bool, typer.Option("--no-plot", help="Do not write the plot.")] = False,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Do not write the plots.")] = False,
 ) -> None:
-    """Tail analysis per step: completion percentiles, share done by 40/50% of the step, turn mix, wasted tokens."""
+    """Tail analysis per step and over the run: completion percentiles, share done by 40/50% of the step, turn mix, wasted tokens, abort-to-idle, tail share; plots of the completion CDF and (several steps) of step and cut time over steps."""
     from tailcut.trace.load import TraceError
     from tailcut.trace.report import analyse_run, plot_cdf, render_tables
+    from tailcut.trace.run_report import plot_step_times, render_summary, summarise
 
     try:
         reports = analyse_run(run_dir, _warn)
     except TraceError as exc:
         raise _fail(str(exc)) from None
-    plot_path = None
+    summaries = summarise(reports)
+    plot_path = steps_path = None
     if not no_plot:
         plot_path = plot or (run_dir if run_dir.is_dir() else run_dir.parent) / "completion_cdf.png"
-        try:
-            plot_cdf(reports, plot_path)
-        except OSError as exc:
-            raise _cannot_write(plot_path, exc) from None
+        if len(reports) > len(summaries):  # some run has several steps
+            steps_path = plot_path.with_name("step_times.png")
+        for path, draw in ((plot_path, plot_cdf), (steps_path, plot_step_times)):
+            if path is None:
+                continue
+            try:
+                draw(reports, path)
+            except OSError as exc:
+                raise _cannot_write(path, exc) from None
     if as_json:
         payload = {
             "run_dir": str(run_dir),
             "plot": None if plot_path is None else str(plot_path),
+            "step_plot": None if steps_path is None else str(steps_path),
+            "runs": [s.to_json() for s in summaries],
             "steps": [r.to_json() for r in reports],
         }
         typer.echo(json.dumps(payload, indent=2))
@@ -112,5 +122,8 @@ def report(
     console = Console(soft_wrap=True)
     for table in render_tables(reports):
         console.print(table)
+    console.print(render_summary(summaries))
     if plot_path is not None:
         console.print(f"completion CDF: {plot_path}", highlight=False)
+    if steps_path is not None:
+        console.print(f"step and cut time over steps: {steps_path}", highlight=False)

@@ -67,7 +67,7 @@ def train(
         config = None
     cfg = load_train_config(config, items)
     n = cfg.trainer.nproc_per_node
-    if n > 1 and "RANK" not in os.environ:  # start the ranks; each comes back here
+    if (n > 1 or cfg.actor.offload) and "RANK" not in os.environ:  # ranks; each comes back here
         raise typer.Exit(launch_ranks(n, ["train", *([str(config)] if config else []), *items]))
     from tailcut.train.distributed import close, from_env
 

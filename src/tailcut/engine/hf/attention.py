@@ -62,10 +62,14 @@ class SlotMasks:
         """Attention calls that read this pass's masks (one per layer of a forward)."""
 
     @classmethod
-    def prefill(cls, lengths: torch.Tensor, width: int, dtype: torch.dtype) -> SlotMasks:
-        """Right-padded prompts of ``lengths`` tokens in ``width`` columns: causal within
-        each prompt; pad queries stand at their prompt's last column (outputs ignored)."""
-        cols = torch.arange(width, device=lengths.device)
+    def prefill(
+        cls, lengths: torch.Tensor, width: int, dtype: torch.dtype, *, start: int = 0
+    ) -> SlotMasks:
+        """Right-padded prompts of ``lengths`` tokens in ``width`` columns, queries at the
+        columns ``start .. width-1`` (a chunk of a longer prefill: ``start > 0``): causal
+        within each prompt; pad queries stand at their prompt's last column (outputs
+        ignored)."""
+        cols = torch.arange(start, width, device=lengths.device)
         return cls(torch.minimum(cols[None, :], (lengths - 1)[:, None]), width, dtype)
 
     @classmethod

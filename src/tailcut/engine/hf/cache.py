@@ -87,11 +87,13 @@ class SlotKVCache:
 
     def __init__(self, shape: KVShape, initial_columns: int = 256) -> None:
         self.shape = shape
-        self.buf = self._alloc(min(initial_columns, shape.max_seq_len))
+        self._initial = min(initial_columns, shape.max_seq_len)
+        self.buf = self._alloc(self._initial)
         self._prefill = False
         self._first = 0
         self._rows = 0
         self._width = 0
+        self._start = 0
         self._cols = torch.zeros(0, dtype=torch.long, device=shape.device)
         self._row_index = torch.arange(shape.slots, device=shape.device)
 
@@ -105,6 +107,24 @@ class SlotKVCache:
     def allocated_bytes(self) -> int:
         return self.buf.numel() * self.buf.element_size()
 
+    @property
+    def released(self) -> bool:
+        return self.buf.numel() == 0
+
+    def release(self) -> int:
+        """Drop the whole buffer (nothing may run until :meth:`resume`); returns its bytes.
+        The caller holds no other reference to it (CUDA graphs reading it are dropped
+        first), so its storage is freed here."""
+        freed = self.allocated_bytes
+        self.buf = self._alloc(0)
+        return freed
+
+    def resume(self) -> int:
+        """Allocate the buffer again at its initial size (zero-filled); returns its bytes."""
+        if self.released:
+            self.buf = self._alloc(self._initial)
+        return self.allocated_bytes
+
     def _reserve(self, columns: int) -> None:
         have = self.buf.shape[4]
         if columns <= have:
@@ -114,8 +134,10 @@ class SlotKVCache:
         self.buf = grown
 
     # -- forward-pass setup ------------------------------------------------------------
-    def begin_prefill(self, first: int, rows: int, width: int) -> None:
-        """Next pass writes ``rows`` new requests at slots ``first..`` columns ``0..width-1``."""
+    def begin_prefill(self, first: int, rows: int, width: int, start: int = 0) -> None:
+        """Next pass writes ``rows`` new requests at slots ``first..`` columns
+        ``start..width-1``; with ``start > 0`` (a chunked prefill's later chunks) attention
+        reads columns ``0..width-1`` of those slots, the earlier chunks' keys included."""
         if first + rows > self.shape.slots or width > self.shape.max_seq_len:
             raise ValueError(
                 f"prefill of {rows} rows x {width} columns at slot {first} does not fit a cache "
@@ -123,6 +145,7 @@ class SlotKVCache:
             )
         self._reserve(width)
         self._prefill, self._first, self._rows, self._width = True, first, rows, width
+        self._start = start
 
     def begin_decode(self, ends: torch.Tensor, width: int) -> None:
         """Next pass feeds one token per running row, written at column ``ends[row]``;
@@ -149,10 +172,13 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.buf[layer_idx]
         if self._prefill:
-            lo, hi, width = self._first, self._first + self._rows, key_states.shape[2]
-            layer[0, lo:hi, :, :width] = key_states
-            layer[1, lo:hi, :, :width] = value_states
-            return key_states, value_states
+            lo, hi, start = self._first, self._first + self._rows, self._start
+            end = start + key_states.shape[2]
+            layer[0, lo:hi, :, start:end] = key_states
+            layer[1, lo:hi, :, start:end] = value_states
+            if start == 0:
+                return key_states, value_states
+            return layer[0, lo:hi, :, :end], layer[1, lo:hi, :, :end]
         rows = self._row_index[: self._rows]
         layer[0, rows, :, self._cols] = key_states[:, :, 0]
         layer[1, rows, :, self._cols] = value_states[:, :, 0]

@@ -34,6 +34,14 @@ KV cache (``hf/cache.py``), driven by one worker thread (``hf/worker.py``).
 * ``update_weights(state_dict, version)`` copies weights in place between two forward
   passes. Requests already running continue on the new weights; each result carries the
   weight version that sampled its first token.
+* Sampling (greedy too) is restricted to the tokenizer's rows (``vocab_rows``: ids
+  ``0 .. len(tokenizer)-1``) where the LM head has more (padded vocabularies): a slice of
+  the logits, no host sync; log-probs are of that restricted distribution.
+* A prompt longer than ``max_prefill_tokens`` is prefilled in chunks of columns, one
+  forward pass each, with the same tokens and log-probs as one pass.
+* Colocation: ``release_memory(tags)`` frees the KV cache and the CUDA graphs and can move
+  the weights to host memory while a trainer uses the GPU; ``resume_memory(tags)`` takes
+  them back (``hf/memory.py``). Requests are refused while anything is released.
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tailcut.config import EngineConfig, HFEngineConfig
-from tailcut.engine.base import BaseEngine, EngineError, EngineStats
-from tailcut.engine.hf.load import eos_token_ids, load_causal_lm
+from tailcut.engine.base import BaseEngine, EngineError, EngineStats, MemoryReport
+from tailcut.engine.hf.load import eos_token_ids, load_causal_lm, tokenizer_rows
 from tailcut.engine.hf.records import Counters, Live, load_weights
 from tailcut.engine.hf.support import check_model
 from tailcut.engine.hf.worker import SlotWorker
@@ -65,6 +73,7 @@ class HFEngine(BaseEngine):
         *,
         max_batch_size: int = 64,
         eos_ids: Sequence[int] | None = None,
+        vocab_rows: int | None = None,
     ) -> None:
         cfg = config or HFEngineConfig()
         check_model(model)
@@ -73,7 +82,10 @@ class HFEngine(BaseEngine):
         self.eos_ids = frozenset(eos_token_ids(model) if eos_ids is None else eos_ids)
         params = inspect.signature(model.forward).parameters
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._worker = SlotWorker(model, cfg, slots=max_batch_size, cache_kwarg=cache_kwarg)
+        rows = cfg.vocab_rows or vocab_rows
+        self._worker = SlotWorker(
+            model, cfg, slots=max_batch_size, cache_kwarg=cache_kwarg, vocab_rows=rows
+        )
         self._seed_counter = 0
         self._closed = False
 
@@ -81,7 +93,15 @@ class HFEngine(BaseEngine):
     def from_config(cls, cfg: EngineConfig) -> HFEngine:
         """Load ``cfg.model`` (a directory or a ``random-*`` name) on ``cfg.device``."""
         model = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
-        return cls(model, cfg.hf, max_batch_size=cfg.max_batch_size)
+        rows = tokenizer_rows(cfg.model)
+        return cls(model, cfg.hf, max_batch_size=cfg.max_batch_size, vocab_rows=rows)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Token ids ``0 .. vocab_rows-1`` are sampled; log-probs are of the distribution
+        restricted to them (an actor scoring them must restrict its logits the same way:
+        ``tailcut.algo.vocab.sampleable``)."""
+        return self._worker.vocab_rows
 
     @property
     def weight_version(self) -> int:
@@ -164,6 +184,23 @@ class HFEngine(BaseEngine):
         columns now rather than on first use (call while no request runs; a no-op without
         graphs). Returns the number of graphs held."""
         return int(await self._worker.command(lambda: self._worker.capture_graphs(max_width)))
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> MemoryReport:
+        """Free the KV cache, CUDA graphs and/or weights (``tags`` from
+        ``engine.base.MEMORY_TAGS``; None: all; weights go to host memory) for a colocated
+        trainer. Refused (``EngineError``) while requests run or wait; until
+        :meth:`resume_memory` has taken everything back, ``generate`` is refused."""
+        worker = self._worker
+        report: MemoryReport = await worker.command(lambda: worker.release_memory(tags))
+        return report
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> MemoryReport:
+        """Take back what :meth:`release_memory` freed (None: all). The KV cache comes
+        back empty; CUDA graphs are captured again on first use (or
+        :meth:`capture_graphs`)."""
+        worker = self._worker
+        report: MemoryReport = await worker.command(lambda: worker.resume_memory(tags))
+        return report
 
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Copy ``state_dict`` into the model between two forward passes; tokens sampled

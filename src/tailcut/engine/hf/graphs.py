@@ -122,18 +122,37 @@ class DecodeStep:
         """Seconds spent capturing graphs so far."""
         self.replays = 0
         """Decode passes replayed from a graph so far."""
+        self._vocab = vocab
         if self.graphs:
             if cache.buf.shape[4] < self.capacity:
                 raise ValueError("CUDA graphs need the KV cache allocated at full capacity")
-            self._logits = torch.empty(
-                self.slots, vocab, dtype=cache.shape.dtype, device=cache.shape.device
-            )
-            self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(cache.shape.device)
+            self._buffers()
+
+    def _buffers(self) -> None:
+        shape = self._cache.shape
+        self._logits = torch.empty(self.slots, self._vocab, dtype=shape.dtype, device=shape.device)
+        self._pool = torch.cuda.graph_pool_handle()
 
     @property
     def graph_count(self) -> int:
         return len(self._graphs)
+
+    def release(self) -> int:
+        """Drop every captured graph, their memory pool and the logits buffer they write
+        (they read the KV cache and the weights at fixed addresses, so they go whenever
+        either is released). Returns the number of graphs dropped; the next passes capture
+        again on first use (:meth:`resume` first)."""
+        dropped = len(self._graphs)
+        self._graphs.clear()
+        if hasattr(self, "_pool"):
+            del self._logits, self._pool
+        return dropped
+
+    def resume(self) -> None:
+        """Buffers for graphs captured from now on (after :meth:`release`)."""
+        if self.graphs and not hasattr(self, "_pool"):
+            self._buffers()
 
     def run(self, ends: list[int], last: list[int]) -> torch.Tensor:
         """Logits ``[n, vocab]`` for rows whose new tokens ``last`` go to columns ``ends``."""

@@ -102,6 +102,17 @@ def load_causal_lm(model: str, *, device: str = "auto", dtype: str = "auto") -> 
     return loaded.to(dev).eval()
 
 
+def tokenizer_rows(model: str | Path) -> int | None:
+    """``len(tokenizer)`` of the model directory ``model`` (its token ids are ``0 ..
+    len-1``), or None where it has no tokenizer (a ``random-*`` name: every row samples)."""
+    path = Path(model)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(path))
+
+
 def eos_token_ids(model: Any) -> frozenset[int]:
     """End-of-sequence ids from the model's generation config, else its config."""
     ids: set[int] = set()

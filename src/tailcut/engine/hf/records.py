@@ -45,6 +45,8 @@ class Live:
 @dataclass(slots=True)
 class Counters:
     prefill_passes: int = 0
+    prefill_chunks: int = 0
+    """Prefill forward passes (more than ``prefill_passes`` when prompts were chunked)."""
     decode_passes: int = 0
     generated_tokens: int = 0
     aborted: int = 0
@@ -57,6 +59,10 @@ class Counters:
     weight_updates: int = 0
     graph_passes: int = 0
     """Decode passes replayed from a CUDA graph."""
+    prefill_seconds: float = 0.0
+    """Wall time of the prefill passes (each ends with its tokens on the host)."""
+    decode_seconds: float = 0.0
+    """Wall time of the decode passes, sampling and the copy to the host included."""
 
 
 @dataclass(eq=False, slots=True)

@@ -43,6 +43,7 @@ class PassRunner:
         logprob_mode: LogprobMode,
         graphs: bool,
         max_prefill_tokens: int,
+        vocab_rows: int | None = None,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -54,6 +55,11 @@ class PassRunner:
         self._last: torch.Tensor | None = None
         """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
         self._vocab = int(model.config.get_text_config().vocab_size)
+        self.vocab_rows = min(self._vocab, vocab_rows or self._vocab)
+        """Token ids ``0 .. vocab_rows-1`` are sampled (the tokenizer's rows); the rest of
+        the LM head is computed (its weights are read as a real model's are) but masked."""
+        self.chunks = 0
+        """Prefill forward passes so far (a prompt over the token budget takes several)."""
         self.decoder = DecodeStep(
             self._forward, cache, self._stage, vocab=self._vocab, graphs=graphs
         )
@@ -159,15 +165,41 @@ class PassRunner:
         host[:, width] = lengths + [1] * (rows - n)
         dev = torch.from_numpy(host).to(self._device, non_blocking=True)
         ids, lens = dev[:, :width], dev[:, width]
-        pos = torch.arange(width, device=self._device).expand(rows, width)
-        self._cache.begin_prefill(first, rows, width)
-        masks = SlotMasks.prefill(lens, width, self._cache.shape.dtype)
-        self._last = lens - 1
+        # over the budget (one prompt longer than it): chunks of columns, one pass each
+        chunk = width if n * max(lengths) <= self._max_prefill_tokens else self._chunk(rows)
+        logits: torch.Tensor | None = None
+        for start in range(0, width, chunk):
+            part = self._prefill_pass(ids, lens, first, start, min(width, start + chunk))
+            if logits is None:
+                logits = part
+            else:  # each row's logits come from the chunk holding its last prompt column
+                last = lens - 1
+                mine = (last >= start) & (last < start + chunk)
+                logits = torch.where(mine[:, None], part, logits)
+        assert logits is not None
+        return self._sample(batch, logits[:n])
+
+    def _chunk(self, rows: int) -> int:
+        """Columns per prefill pass within the token budget (a multiple of 16 where it can)."""
+        cols = max(1, self._max_prefill_tokens // rows)
+        return cols - cols % 16 if cols >= 16 else cols
+
+    def _prefill_pass(
+        self, ids: torch.Tensor, lens: torch.Tensor, first: int, start: int, end: int
+    ) -> torch.Tensor:
+        """Columns ``start .. end-1`` of the prompts: their keys/values into the cache, each
+        row's logits at its last prompt column where that lies in this chunk (the chunk's
+        last column otherwise; such logits are not used)."""
+        rows = ids.shape[0]
+        self.chunks += 1
+        pos = torch.arange(start, end, device=self._device).expand(rows, end - start)
+        self._cache.begin_prefill(first, rows, end, start=start)
+        masks = SlotMasks.prefill(lens, end, self._cache.shape.dtype, start=start)
+        self._last = (lens - 1 - start).clamp(0, end - start - 1)
         try:
-            logits = self._forward(ids, pos, masks)
+            return self._forward(ids[:, start:end], pos, masks)
         finally:
             self._last = None
-        return self._sample(batch, logits[:n])
 
     def decode(self, rows: Sequence[Live]) -> tuple[list[int], list[float]]:
         """Feed each row's last token at column ``row.end`` and sample the next."""
@@ -176,6 +208,8 @@ class PassRunner:
 
     def _sample(self, rows: Sequence[Live], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         n = len(rows)
+        if self.vocab_rows < logits.shape[-1]:  # a view: no copy, no wait on the device
+            logits = logits[:, : self.vocab_rows]
         params = [x.request.sampling for x in rows]
         host = self._stage.floats_np
         host[:n, 0] = [p.temperature for p in params]

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -33,8 +34,9 @@ from typing import Any
 import torch
 
 from tailcut.config import HFEngineConfig
-from tailcut.engine.base import EngineDied, EngineError, EngineStats
+from tailcut.engine.base import EngineDied, EngineError, EngineStats, MemoryReport
 from tailcut.engine.hf.cache import SlotKVCache, kv_shape_for
+from tailcut.engine.hf.memory import EngineMemory
 from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
 from tailcut.engine.hf.step import PassRunner
 from tailcut.types import FinishReason, GenerateResult
@@ -45,15 +47,26 @@ log = logging.getLogger(__name__)
 class SlotWorker:
     """Continuous batching over a :class:`SlotKVCache`, driven by one worker thread."""
 
-    def __init__(self, model: Any, cfg: HFEngineConfig, *, slots: int, cache_kwarg: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        cfg: HFEngineConfig,
+        *,
+        slots: int,
+        cache_kwarg: str,
+        vocab_rows: int | None = None,
+    ) -> None:
         shape = kv_shape_for(model, slots, cfg.max_seq_len)
         graphs = cfg.cuda_graphs and shape.device.type == "cuda"
         # CUDA graphs read the cache at fixed addresses: allocate it whole, once
         self._cache = SlotKVCache(shape, shape.max_seq_len if graphs else 256)
         self._runner = PassRunner(
             model, self._cache, cache_kwarg=cache_kwarg, logprob_mode=cfg.logprobs,
-            graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens,
+            graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens, vocab_rows=vocab_rows,
         )  # fmt: skip
+        self._memory = EngineMemory(model, self._cache, self._runner.decoder)
+        self._released = False
+        """Some memory is released: requests are refused until it is all resumed."""
         self.slots = slots
         self.max_seq_len = shape.max_seq_len
         self._max_prefill_tokens = cfg.max_prefill_tokens
@@ -82,6 +95,11 @@ class SlotWorker:
     def submit(self, live: Live) -> None:
         with self._cv:
             self._check_open()
+            if self._released:
+                raise EngineError(
+                    f"request {live.request_id}: the hf engine's memory is released "
+                    f"({', '.join(sorted(self._memory.released))}); call resume_memory first"
+                )
             if live.request_id in self._live:
                 raise ValueError(f"request id {live.request_id!r} is already running")
             self._live[live.request_id] = live
@@ -129,6 +147,10 @@ class SlotWorker:
             )
 
     @property
+    def vocab_rows(self) -> int:
+        return self._runner.vocab_rows
+
+    @property
     def kv_cache_bytes(self) -> tuple[int, int]:
         """(allocated now, capacity) of the KV cache in bytes."""
         return self._cache.allocated_bytes, self._cache.shape.bytes
@@ -136,9 +158,35 @@ class SlotWorker:
     def capture_graphs(self, max_width: int | None) -> int:
         """Capture every decode bucket's graph (called on the worker thread, between
         passes; refused while requests run, since capturing first runs each bucket)."""
-        if self._rows:
-            raise EngineError("capture_graphs needs an idle engine (requests are running)")
+        if self._rows or self._released:
+            raise EngineError(
+                "capture_graphs needs an idle engine with its memory (requests are running "
+                "or its memory is released)"
+            )
         return self._runner.decoder.capture_all(max_width)
+
+    def release_memory(self, tags: Sequence[str] | None) -> MemoryReport:
+        """Release ``tags`` (on the worker thread; refused unless the engine is idle)."""
+        with self._cv:
+            if self._rows or self._waiting:
+                raise EngineError(
+                    f"release_memory needs an idle hf engine ({len(self._rows)} running, "
+                    f"{len(self._waiting)} waiting): abort or finish them first"
+                )
+            self._released = True
+        try:
+            return self._memory.release(tags)
+        finally:
+            with self._cv:
+                self._released = bool(self._memory.released)
+
+    def resume_memory(self, tags: Sequence[str] | None) -> MemoryReport:
+        """Take ``tags`` back (on the worker thread); requests run again once nothing is
+        released."""
+        report = self._memory.resume(tags)
+        with self._cv:
+            self._released = bool(self._memory.released)
+        return report
 
     def set_version(self, version: int) -> None:
         """Tag tokens sampled from now on with ``version`` (called on the worker thread)."""
@@ -268,15 +316,19 @@ class SlotWorker:
                 )
 
     def _prefill(self, batch: list[Live], pass_id: int) -> None:
+        chunks, start = self._runner.chunks, time.perf_counter()
         tokens, logprobs = self._runner.prefill(batch)
+        self.counters.prefill_seconds += time.perf_counter() - start
+        self.counters.prefill_chunks += self._runner.chunks - chunks
         for x in batch:
             x.end = len(x.request.prompt_ids)
         self._accept(batch, tokens, logprobs, pass_id)
         self.counters.prefill_passes += 1
 
     def _decode(self, rows: list[Live], pass_id: int) -> None:
-        replays = self._runner.decoder.replays
+        replays, start = self._runner.decoder.replays, time.perf_counter()
         tokens, logprobs = self._runner.decode(rows)
+        self.counters.decode_seconds += time.perf_counter() - start
         for x in rows:
             x.end += 1
         self._accept(rows, tokens, logprobs, pass_id)

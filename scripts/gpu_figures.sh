@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Issue 16's figures on one GPU, in one go (~6 min on an H200): the embedded engine at
+# batch 64/256/1024 on random-init Qwen2-0.5B and -1.5B (151,936-row head, the built-in
+# tokenizer on its first rows), tokens/s beside the weight-read bound, decode and prefill
+# ms/pass, peak memory, release/resume of the KV cache and weights; the full-vocabulary
+# sampling cost; eager decode against CUDA graphs; the engine against model.generate;
+# the opt-in GPU tests. Every step is time-boxed and logged; a failed step does not stop
+# the others. JSON lands in $OUT/, a compact summary on stdout and in $OUT/summary.txt.
+#
+#   PYTHONPATH=/tmp/new:/tmp/base:src OUT=/path bash scripts/gpu_figures.sh
+#
+# Knobs (environment): PY (python3), DEVICE (cuda), SIZES ("0.5b 1.5b": builtin-qwen2-*
+# models built first), MODELS (more specs to sweep, e.g. random-tiny or a model directory),
+# BATCHES ("64 256 1024"), NEW_TOKENS (128), HBM_GBS (4800), RUN_EXTRAS (1), RUN_TESTS (1),
+# TAILCUT_CACHE (/tmp/tailcut-cache: where the models are built, offline), DEADLINE_S (570:
+# the whole script ends by then, skipping or cutting what would run past it, so that a
+# 10-minute limit on the command still leaves the summary).
+# CPU dry run (a minute): DEVICE=cpu SIZES= MODELS=random-tiny BATCHES="2 4" NEW_TOKENS=4 \
+#   RUN_TESTS=0 PYTHONPATH=src bash scripts/gpu_figures.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu_figures}"
+mkdir -p "$OUT"
+PY="${PY:-python3}"
+export PYTHONPATH="${PYTHONPATH:-/tmp/new:/tmp/base:src}"
+export TAILCUT_CACHE="${TAILCUT_CACHE:-/tmp/tailcut-cache}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+DEVICE="${DEVICE:-cuda}"
+SIZES="${SIZES-0.5b 1.5b}"
+MODELS="${MODELS:-}"
+BATCHES="${BATCHES:-64 256 1024}"
+NEW_TOKENS="${NEW_TOKENS:-128}"
+HBM_GBS="${HBM_GBS:-4800}"
+DEADLINE_S="${DEADLINE_S:-570}"
+T0=$(date +%s)
+: > "$OUT/steps.txt"
+
+step() {  # step NAME LIMIT_S CMD... : stdout to $OUT/NAME.out, stderr to $OUT/NAME.log
+    local name=$1 limit=$2 start rc left
+    shift 2
+    start=$(date +%s)
+    left=$((DEADLINE_S - (start - T0) - 15))
+    if [ "$left" -lt 20 ]; then
+        echo "$name skipped (deadline)" | tee -a "$OUT/steps.txt"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+    rc=$?
+    echo "$name rc=$rc $(($(date +%s) - start))s (limit ${limit}s)" | tee -a "$OUT/steps.txt"
+}
+
+step env 60 "$PY" -c '
+import json, platform, torch, transformers
+d = {"python": platform.python_version(), "torch": torch.__version__,
+     "transformers": transformers.__version__, "cuda": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    d.update(gpu=p.name, gpu_memory_bytes=p.total_memory)
+print(json.dumps(d))'
+cp "$OUT/env.out" "$OUT/env.json" 2>/dev/null
+cat "$OUT/env.json" 2>/dev/null
+
+resolve() {  # a builtin-* spec -> its built directory (anything else as it is)
+    case "$1" in
+        builtin*) "$PY" -c "from tailcut.models.resolve import resolve_model; print(resolve_model('$1'))" ;;
+        *) echo "$1" ;;
+    esac
+}
+
+sweep() {  # sweep NAME LIMIT_S MODEL ARGS...
+    local name=$1 limit=$2 model=$3 dir
+    shift 3
+    dir=$(resolve "$model") || { echo "$name: cannot resolve $model" | tee -a "$OUT/steps.txt"; return; }
+    step "$name" "$limit" "$PY" -m tailcut.bench.hf_sweep "$dir" --name "$model" \
+        --device "$DEVICE" --max-new-tokens "$NEW_TOKENS" --hbm-gbs "$HBM_GBS" \
+        --out "$OUT/$name.json" "$@"
+}
+
+specs=""
+for s in $SIZES; do  # build offline (cached in $TAILCUT_CACHE), then the sweep
+    step "build_$s" 240 "$PY" -c "
+import json
+from tailcut.models.build import VARIANTS, ensure_built
+r = ensure_built(VARIANTS['qwen2-$s'])
+print(json.dumps({'path': str(r.path), 'cached': r.cached,
+                  **{k: v for k, v in r.info.items() if k not in ('files', 'recipe')}}))"
+    cp "$OUT/build_$s.out" "$OUT/build_$s.json" 2>/dev/null
+    # shellcheck disable=SC2086
+    sweep "sweep_$s" 240 "builtin-qwen2-$s" --batch $BATCHES
+    specs="$specs builtin-qwen2-$s"
+done
+for m in $MODELS; do
+    tag=$(basename "$m")
+    # shellcheck disable=SC2086
+    sweep "sweep_$tag" 300 "$m" --batch $BATCHES
+    specs="$specs $m"
+done
+
+read -r first _ <<< "$specs"
+tag=$(basename "${first:-none}")
+last_batch=${BATCHES##* }
+if [ "${RUN_EXTRAS:-1}" = 1 ] && [ -n "${first:-}" ]; then
+    # sampling over every row of the head (a checkpoint whose tokenizer fills it)
+    sweep "fullvocab_$tag" 120 "$first" --batch "$last_batch" --full-vocab --no-release
+    # eager decode at the smallest batch: what the CUDA graphs buy
+    sweep "eager_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-graphs --no-release
+    # the engine against batched model.generate (same prompts and lengths), aborts
+    step "vs_generate_$tag" 120 "$PY" -m tailcut bench --engine hf --model "$first" \
+        --device "$DEVICE" --requests 128 --concurrency 64 --max-new-tokens "$NEW_TOKENS" --json
+    cp "$OUT/vs_generate_$tag.out" "$OUT/vs_generate_$tag.json" 2>/dev/null
+fi
+
+if [ "${RUN_TESTS:-1}" = 1 ]; then
+    step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/gpu -o addopts="" -p no:cacheprovider
+    tail -n 3 "$OUT/gpu_tests.out"
+fi
+
+"$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+
+out = pathlib.Path(sys.argv[1])
+gb = lambda n: "-" if n is None or n < 0 else f"{n / 1e9:.2f} GB"
+for f in sorted(out.glob("build_*.json")):
+    try:
+        b = json.loads(f.read_text())
+        print(f"{f.stem}: {b['parameters'] / 1e9:.2f}B params, {b['vocab_size']:,} rows "
+              f"({b['tokenizer_rows']} sampled), built in {b['build_seconds']} s, cached {b['cached']}")
+    except Exception as exc:
+        print(f"{f.stem}: unreadable ({exc})")
+for f in sorted(out.glob("*.json")):
+    if f.stem.startswith(("build_", "env", "vs_generate")):
+        continue
+    try:
+        d = json.loads(f.read_text())
+    except Exception as exc:
+        print(f"{f.stem}: unreadable ({exc})")
+        continue
+    print(f"{f.stem}: {d['model']} {d['params'] / 1e9:.2f}B {d['dtype']} on {d['device']}, "
+          f"weights {gb(d['weight_bytes'])}, bound at {d['hbm_gbs']:.0f} GB/s")
+    for b in d["batches"]:
+        r = b.get("release") or {}
+        line = (f"  B={b['batch']:>4} (mean {b['mean_batch']:.0f}): "
+                f"{b['decode_tokens_per_s'] or 0:>9,.0f} tok/s decode = {b['of_bound'] or 0:6.1%} of "
+                f"{b['bound_tokens_per_s']:,.0f} | {b['decode_ms_per_pass']:.2f} ms/pass (bound "
+                f"{b['bound_ms_per_pass']:.3f}) | prefill {b['prefill_ms_per_pass']:.1f} ms/pass | "
+                f"e2e {b['tokens_per_s']:,.0f} tok/s | peak {gb(b['peak_allocated_bytes'])} "
+                f"(KV {gb(b['kv_cache_bytes'])}) | sampled rows {b['vocab_rows']:,}")
+        if r:
+            freed = r["allocated_before_release"] - r["allocated_after_release"]
+            line += (f"\n          release {r['release_s']:.3f} s (KV {gb(r['kv_cache_bytes_freed'])} + "
+                     f"weights {gb(r['weight_bytes_offloaded'])}; allocated {gb(r['allocated_before_release'])}"
+                     f" -> {gb(r['allocated_after_release'])}, freed {gb(freed) if freed > 0 else '-'}), "
+                     f"resume {r['resume_s']:.3f} s, greedy equal after resume: {r['greedy_equal_after_resume']}")
+        print(line)
+for f in sorted(out.glob("vs_generate_*.json")):
+    try:
+        d = json.loads(f.read_text())
+        print(f"{f.stem}: engine {d['engine']['tokens_per_s']:,.0f} tok/s vs generate "
+              f"{d['generate']['tokens_per_s']:,.0f} ({d['ratio']:.1f}x) at {d['concurrency']}; abort "
+              f"{d['abort']['median_ms']:.1f} ms, tokens after abort {d['abort']['tokens_after_abort']}")
+    except Exception as exc:
+        print(f"{f.stem}: unreadable ({exc})")
+print(open(out / "steps.txt").read().strip())
+PYEOF

@@ -1,0 +1,121 @@
+"""Dynamic sampling (DAPO's group filter, verl's ``filter_groups``): a group whose rewards are
+all equal carries no learning signal under a group baseline, so its rows leave the batch.
+
+Pure and torch-free. A group's rewards are those of its real rows (``RowPlan.valid``) plus
+its baseline-only rewards (members trained in an earlier step, ``rollout/partial.py``), the
+same values its advantage is computed over (``algo/advantage.py``). Under ``zero-std`` a
+group is *informative* when it has at least two rewards and they are not all equal; the
+rows (real and masked) of every other group are dropped. :func:`filter_groups` keeps at
+most ``target`` informative groups, the first ones in row order (launch order, round by
+round): the rest are surplus of the extra launch rounds.
+
+The trainer launches more groups while fewer than its target are informative
+(:func:`groups_to_launch`), in up to ``algo.max_gen_rounds`` extra rounds; a step left with
+no informative group is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+from tailcut.algo.batch import RowCounts, RowPlan
+
+FilterMode = Literal["none", "zero-std"]
+
+
+def group_rewards(
+    plan: RowPlan, baselines: Mapping[int, Sequence[float]] | None = None
+) -> dict[int, list[float]]:
+    """Each group's rewards, in order of first appearance: real rows, then baselines."""
+    out: dict[int, list[float]] = {}
+    for s, ok, r in zip(plan.samples, plan.valid, plan.rewards, strict=True):
+        values = out.setdefault(s.group, [])
+        if ok:
+            values.append(r)
+    for g, values in out.items():
+        values.extend(float(x) for x in (baselines or {}).get(g, ()))
+    return out
+
+
+def is_informative(rewards: Sequence[float]) -> bool:
+    """At least two rewards, not all equal (a nonzero std)."""
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
+def informative_groups(
+    plan: RowPlan, baselines: Mapping[int, Sequence[float]] | None = None
+) -> list[int]:
+    """The informative groups of ``plan``, in order of first appearance."""
+    return [g for g, r in group_rewards(plan, baselines).items() if is_informative(r)]
+
+
+@dataclass(frozen=True, slots=True)
+class FilterResult:
+    plan: RowPlan
+    kept_groups: int
+    filtered_groups: int
+    """Groups dropped for carrying no signal (all rewards equal, or fewer than two)."""
+    surplus_groups: int
+    """Informative groups past the target (from the extra launch rounds)."""
+    filtered_rows: int
+
+
+def filter_groups(
+    plan: RowPlan,
+    mode: FilterMode,
+    baselines: Mapping[int, Sequence[float]] | None = None,
+    target: int | None = None,
+) -> FilterResult:
+    """``plan`` without the rows of uninformative groups (``zero-std``) and of informative
+    groups past the first ``target``; ``none`` returns it as it is."""
+    if mode not in ("none", "zero-std"):
+        raise ValueError(f"algo.filter_groups must be 'none' or 'zero-std', got {mode!r}")
+    rewards = group_rewards(plan, baselines)
+    if mode == "none":
+        return FilterResult(plan, len(rewards), 0, 0, 0)
+    good = [g for g, r in rewards.items() if is_informative(r)]
+    keep = set(good if target is None else good[:target])
+    rows, valid = [], []
+    real = masked = 0
+    for s, ok in zip(plan.samples, plan.valid, strict=True):
+        if s.group in keep:
+            rows.append(s)
+            valid.append(ok)
+            real += ok
+            masked += not ok
+    counts = replace(plan.counts, real=real, masked=masked)
+    out = RowPlan(rows, valid, plan.deferred, counts)
+    return FilterResult(
+        out, len(keep), len(rewards) - len(good), len(good) - len(keep),
+        len(plan.samples) - len(rows),
+    )  # fmt: skip
+
+
+def concat_plans(plans: Sequence[RowPlan]) -> RowPlan:
+    """One plan from the plans of a step's launch rounds (rows in round order; counts
+    summed)."""
+    counts = RowCounts()
+    for p in plans:
+        for f in fields(RowCounts):
+            setattr(counts, f.name, getattr(counts, f.name) + getattr(p.counts, f.name))
+    return RowPlan(
+        [s for p in plans for s in p.samples],
+        [v for p in plans for v in p.valid],
+        [s for p in plans for s in p.deferred],
+        counts,
+    )
+
+
+def groups_to_launch(missing: int, informative: int, seen: int, *, cap: int, floor: int = 1) -> int:
+    """Groups an extra round launches for ``missing`` informative ones: ``missing`` over the
+    share of informative groups so far (``informative`` of ``seen``), at most ``cap`` (the
+    trainer's: one step's ``data.batch_size``, so a step costs at most ``1 +
+    algo.max_gen_rounds`` rounds of a normal step's size) and at least ``floor``."""
+    if missing <= 0:
+        return 0
+    share = informative / seen if seen else 1.0
+    want = math.ceil(missing / share - 1e-9) if share > 0 else cap
+    return max(floor, min(cap, want))

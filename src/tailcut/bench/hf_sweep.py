@@ -1,0 +1,282 @@
+"""Benchmark: the embedded engine at several batch sizes, beside the weight-read bound.
+
+For each batch size ``B`` a fresh engine with ``B`` slots runs ``B`` requests that all
+decode together for ``max_new_tokens`` tokens (random prompts, EOS ignored, temperature 1):
+a warm-up run (CUDA graphs for the shapes it meets are captured there), then a timed one.
+Reported per ``B``:
+
+* **tokens/s** and the **weight-read bound** beside it: a decode pass reads every weight
+  once, so at best it takes ``weight bytes / bandwidth`` (``hbm_gbs``; the H200's
+  4,800 GB/s by default) and yields ``mean batch`` tokens; ``of_bound`` is the bound's time
+  per pass over the measured one (KV-cache reads and the LM head's logits are extra work
+  the bound leaves out, so 1.0 is out of reach);
+* **decode ms/pass** at the mean batch and **prefill ms/pass** (the worker's own timing:
+  each pass ends with its tokens on the host; graph captures excluded);
+* **peak memory** (``torch.cuda.max_memory_allocated`` during that ``B``, on CUDA) and the
+  KV cache's bytes;
+* **release / resume** (``release_memory`` of the KV cache, graphs and weights, then
+  ``resume_memory``): seconds, bytes freed, device memory before/after, and whether greedy
+  tokens after resume equal those before.
+
+Sampling is masked to the tokenizer's rows (``vocab_rows``) where the model directory has a
+tokenizer shorter than the LM head (the ``builtin-qwen2-*`` models); the LM head's rows are
+all computed, as a real model's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tailcut.bench.hf_bench import Workload, engine_run, make_workload
+from tailcut.types import GenerateRequest, SamplingParams, new_request_id
+
+H200_GBS = 4800.0
+"""HBM bandwidth of an H200 (GB/s), the default of ``hbm_gbs``."""
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a decode pass reads for the weights (tied parameters once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+async def _greedy(engine: Any, wl: Workload, n: int) -> list[list[int]]:
+    reqs = [
+        GenerateRequest(
+            new_request_id("gr"),
+            p,
+            SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+        )
+        for p in wl.prompts[:8]
+    ]
+    return [r.output_ids for r in await asyncio.gather(*(engine.generate(q) for q in reqs))]
+
+
+def _reset_peak(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: Any) -> int:
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else -1
+
+
+async def measure_batch(
+    lm: Any, batch: int, max_new_tokens: int, *, vocab_rows: int | None, hbm_gbs: float,
+    seed: int, release: bool, engine_options: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One batch size: warm-up, timed run, release/resume (see the module docstring)."""
+    from tailcut.config import HFEngineConfig
+    from tailcut.engine.hf import HFEngine
+
+    device = next(lm.parameters()).device
+    vocab = int(lm.config.get_text_config().vocab_size)
+    wl = make_workload(min(vocab, vocab_rows or vocab), batch, max_new_tokens, seed=seed)
+    wl = Workload(wl.prompts, [max_new_tokens] * batch, False)  # all decode together
+    cfg = HFEngineConfig(
+        max_seq_len=max(len(p) for p in wl.prompts) + max_new_tokens + 16, **engine_options
+    )
+    _reset_peak(device)
+    engine = HFEngine(lm, cfg, max_batch_size=batch, eos_ids=(), vocab_rows=vocab_rows)
+    try:
+        await engine_run(engine, wl, batch)  # warm-up: graphs captured for these shapes
+        c, decoder = engine.counters, engine._worker._runner.decoder
+        before = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
+                  c.generated_tokens, decoder.capture_s)  # fmt: skip
+        seconds, results = await engine_run(engine, wl, batch)
+        passes, dec_s, chunks, pre_s, generated, capture_s = (
+            now - then
+            for now, then in zip(
+                (
+                    c.decode_passes,
+                    c.decode_seconds,
+                    c.prefill_chunks,
+                    c.prefill_seconds,
+                    c.generated_tokens,
+                    decoder.capture_s,
+                ),
+                before,
+                strict=True,
+            )
+        )
+        dec_s -= capture_s
+        wbytes = weight_bytes(lm)
+        mean_batch = (generated - len(results)) / max(1, passes)  # first tokens: prefill
+        bound_pass_s = wbytes / (hbm_gbs * 1e9)
+        pass_s = dec_s / max(1, passes)
+        figures: dict[str, Any] = {
+            "batch": batch,
+            "vocab_rows": engine.vocab_rows,
+            "tokens": sum(len(r.output_ids) for r in results),
+            "seconds": seconds,
+            "tokens_per_s": sum(len(r.output_ids) for r in results) / seconds,
+            "decode_passes": passes,
+            "mean_batch": mean_batch,
+            "decode_ms_per_pass": 1000 * pass_s,
+            "decode_tokens_per_s": mean_batch / pass_s if pass_s > 0 else None,
+            "bound_ms_per_pass": 1000 * bound_pass_s,
+            "bound_tokens_per_s": mean_batch / bound_pass_s,
+            "of_bound": bound_pass_s / pass_s if pass_s > 0 else None,
+            "prefill_passes": chunks,
+            "prefill_ms_per_pass": 1000 * pre_s / max(1, chunks),
+            "graph_capture_s_in_run": capture_s,
+            "graphs": decoder.graph_count,
+            "kv_cache_bytes": engine.kv_cache_bytes[0],
+            "peak_allocated_bytes": _peak(device),
+        }
+        if release:
+            figures["release"] = await _release_resume(engine, wl)
+    finally:
+        await engine.aclose()
+    return figures
+
+
+async def _release_resume(engine: Any, wl: Workload) -> dict[str, Any]:
+    greedy_before = await _greedy(engine, wl, 16)
+    start = time.perf_counter()
+    freed = await engine.release_memory(["kv_cache", "cuda_graph", "weights"])
+    released_s = time.perf_counter() - start
+    start = time.perf_counter()
+    back = await engine.resume_memory(["kv_cache", "cuda_graph", "weights"])
+    resumed_s = time.perf_counter() - start
+    greedy_after = await _greedy(engine, wl, 16)
+    return {
+        "release_s": released_s,
+        "resume_s": resumed_s,
+        "kv_cache_bytes_freed": freed.kv_cache_bytes,
+        "weight_bytes_offloaded": freed.weight_bytes,
+        "graphs_dropped": freed.graphs,
+        "allocated_before_release": freed.device_allocated_before,
+        "allocated_after_release": freed.device_allocated_after,
+        "allocated_after_resume": back.device_allocated_after,
+        "greedy_equal_after_resume": greedy_before == greedy_after,
+    }
+
+
+def run_hf_sweep(
+    model: str, batch_sizes: list[int], max_new_tokens: int = 128, *, device: str = "auto",
+    dtype: str = "auto", hbm_gbs: float = H200_GBS, seed: int = 0, release: bool = True,
+    threads: int | None = None, json_out: bool = False, name: str | None = None,
+    engine_options: dict[str, Any] | None = None, out: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Every batch size in turn on one loaded model; prints a table (or JSON) and returns
+    the figures (also written to ``out`` as JSON after each batch size, so a run cut short
+    keeps what it measured). ``model``: a model directory (resolved) or a ``random-*``
+    name."""
+    import torch
+
+    from tailcut.engine.hf.load import load_causal_lm, tokenizer_rows
+
+    if threads:
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    lm = load_causal_lm(model, device=device, dtype=dtype)
+    load_s = time.perf_counter() - start
+    rows = tokenizer_rows(model)
+    param = next(lm.parameters())
+    figures: dict[str, Any] = {
+        "model": name or model, "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
+        "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
+        "hbm_gbs": hbm_gbs, "max_new_tokens": max_new_tokens, "load_s": load_s,
+        "batches": [],
+    }  # fmt: skip
+    for b in batch_sizes:
+        figures["batches"].append(
+            asyncio.run(
+                measure_batch(
+                    lm,
+                    b,
+                    max_new_tokens,
+                    vocab_rows=rows,
+                    hbm_gbs=hbm_gbs,
+                    seed=seed,
+                    release=release,
+                    engine_options=engine_options or {},
+                )
+            )
+        )
+        if out is not None:
+            out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    _print(figures, json_out)
+    return figures
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None or n < 0 else f"{n / 1e9:.2f}"
+
+
+def _print(figures: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print(json.dumps(figures, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    sampled = figures["batches"][0]["vocab_rows"] if figures["batches"] else "?"
+    table = Table(
+        title=f"HFEngine — {figures['model']} ({figures['params'] / 1e9:.2f}B, "
+        f"{figures['vocab_size']:,} rows, {sampled} sampled) on "
+        f"{figures['device']}; bound at {figures['hbm_gbs']:.0f} GB/s"
+    )
+    cols = ("batch", "tok/s", "bound tok/s", "of bound", "decode ms", "bound ms", "prefill ms",
+            "peak GB", "release s", "resume s", "freed GB", "same greedy")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right")
+    for b in figures["batches"]:
+        rel = b.get("release") or {}
+        freed = (rel.get("kv_cache_bytes_freed", 0) or 0) + (
+            rel.get("weight_bytes_offloaded", 0) or 0
+        )
+        table.add_row(
+            f"{b['batch']} ({b['mean_batch']:.0f})", f"{b['decode_tokens_per_s'] or 0:,.0f}",
+            f"{b['bound_tokens_per_s']:,.0f}", f"{b['of_bound'] or 0:.1%}",
+            f"{b['decode_ms_per_pass']:.2f}", f"{b['bound_ms_per_pass']:.2f}",
+            f"{b['prefill_ms_per_pass']:.1f}", _gb(b["peak_allocated_bytes"]),
+            f"{rel.get('release_s', 0):.3f}", f"{rel.get('resume_s', 0):.3f}",
+            _gb(freed) if rel else "-", str(rel.get("greedy_equal_after_resume", "-")),
+        )  # fmt: skip
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tailcut.bench.hf_sweep MODEL --batch 64 256 1024 [--out FILE]``: the
+    sweep with the options ``tailcut bench`` does not expose (``--full-vocab``: sample
+    every row of the head, as for a checkpoint whose tokenizer fills it)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tailcut.bench.hf_sweep")
+    ap.add_argument("model", help="model directory or random-* name")
+    ap.add_argument("--name", help="what the figures call the model (default: MODEL)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--hbm-gbs", type=float, default=H200_GBS)
+    ap.add_argument("--full-vocab", action="store_true", help="sample all rows of the head")
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    ap.add_argument("--no-release", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    a = ap.parse_args(argv)
+    name = a.name or a.model
+    options: dict[str, Any] = {"cuda_graphs": not a.no_graphs}
+    if a.full_vocab:
+        options["vocab_rows"] = 1 << 30  # capped at the head's rows by the engine
+    run_hf_sweep(
+        a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
+        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else ""),
+        engine_options=options, out=a.out,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""What the two synthetic tool tasks share (:mod:`tailcut.data.arith`, the calculator's
+word problems, and :mod:`tailcut.data.dapo_synth`, the code interpreter's DAPO-layout
+problems): how a reference solution is laid out as messages, how its answer is stated, the
+tool-config file, the per-split seeds and the files a dataset is written as. Each task keeps
+its own problems, prompts and rows."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tailcut.tools.registry import TOOLS
+
+S = TypeVar("S")
+SPLITS = ("train", "test")
+AGENT_NAME = "tool_agent"
+"""verl's multi-turn recipe's agent, named in every row."""
+ANSWER_STYLES = ("strict", "plain")
+"""How a solution states its answer: the task's own form (what its reward accepts) or in
+words (``The answer is N.``, which it does not)."""
+
+
+def check_tail(max_steps: int, tail_alpha: float, most: int) -> None:
+    """Refuse a step count outside ``1..most`` or a tail exponent outside ``0..10``."""
+    if not 1 <= max_steps <= most:
+        raise ValueError(f"max_steps must be in 1..{most}, got {max_steps}")
+    if not 0.0 <= tail_alpha <= 10.0:
+        raise ValueError(f"tail_alpha must be in 0..10, got {tail_alpha}")
+
+
+def draw_num_steps(rng: random.Random, max_steps: int, tail_alpha: float) -> int:
+    """A number of steps in ``1..max_steps`` with P(k) ∝ k**-tail_alpha (one draw)."""
+    ks = range(1, max_steps + 1)
+    return rng.choices(ks, weights=[k**-tail_alpha for k in ks])[0]
+
+
+def running_values(start: int, steps: Iterable[S], apply: Callable[[int, S], int]) -> list[int]:
+    """The value at the start and after each step."""
+    out = [start]
+    for step in steps:
+        out.append(apply(out[-1], step))
+    return out
+
+
+def answer_text(value: int, style: str, strict: str) -> str:
+    """The answer line: ``strict`` (``{}`` stands for the value) or in words."""
+    if style == "strict":
+        return strict.format(value)
+    if style == "plain":
+        return f"The answer is {value}."
+    raise ValueError(f"answer style must be one of {ANSWER_STYLES}, got {style!r}")
+
+
+def solution_messages(
+    turns: Sequence[str], values: Sequence[int], answer: str
+) -> list[dict[str, Any]]:
+    """One assistant message (``turns[i]``: a line and its tool call) and one tool message
+    (``values[i + 1]``, what the call returns) per step, then the answer. The calls stay in
+    the assistant text, as the model writes them, so rendering the messages with the chat
+    template gives the token stream the model is trained on."""
+    out: list[dict[str, Any]] = []
+    for i, text in enumerate(turns):
+        out.append({"role": "assistant", "content": text})
+        out.append({"role": "tool", "content": str(values[i + 1])})
+    out.append({"role": "assistant", "content": answer})
+    return out
+
+
+def tool_config(tool_name: str, schema: Mapping[str, Any], **config: Any) -> dict[str, Any]:
+    """verl's tool-config YAML content for one native tool (``config`` after its type)."""
+    return {
+        "tools": [
+            {
+                "class_name": TOOLS[tool_name],
+                "config": {"type": "native", **config},
+                "tool_schema": schema,
+            }
+        ]
+    }
+
+
+def split_seed(seed: int, split: str, offset: int) -> int:
+    """Each split draws from its own stream (train and test never share a generator); each
+    task has its own ``offset``."""
+    return seed * 1000 + SPLITS.index(split) + offset
+
+
+def write_dataset(
+    out: Path,
+    counts: Mapping[str, int],
+    rows: Callable[[str, int], list[dict[str, Any]]],
+    tools_yaml: Mapping[str, Any],
+) -> dict[str, int]:
+    """Write ``train.parquet`` and ``test.parquet`` (``rows(split, n)``) and ``tools.yaml``
+    into ``out``; return the row counts."""
+    import yaml
+
+    from tailcut.data.verl import write_rows
+
+    out = Path(out)
+    for split in SPLITS:
+        write_rows(rows(split, counts[split]), out / f"{split}.parquet")
+    (out / "tools.yaml").write_text(
+        yaml.safe_dump(dict(tools_yaml), sort_keys=False), encoding="utf-8"
+    )
+    return dict(counts)

@@ -1,0 +1,129 @@
+"""Fit the simulated engine's decode-step parameters to a recorded run's own timings.
+
+The simulated engine's model (``engine/sim.py``): a decode step with ``b`` sequences running
+takes ``a + c·b`` seconds, plus ``p`` seconds per prompt token of the sequences admitted at
+that step. One engine call that generated ``n`` tokens between ``start`` and ``end`` then
+took about::
+
+    end − start = a·n + c·n·b̄ + p·P
+
+with ``b̄`` the mean number of engine calls running over ``[start, end)`` (counted from the
+trace itself, this call included) and ``P`` the prompt tokens of the calls that started in
+that interval (their prefill shares the steps). :func:`fit_decode` solves it by least
+squares over every engine call of the given steps, coefficients held non-negative (one that
+comes out negative is fixed at 0 and the rest refitted). Pure numpy, no engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailcut.trace.events import EventKind
+from tailcut.trace.load import StepTrace
+
+MIN_CALLS = 3
+"""Fewer timed engine calls than this leave the fit to the defaults."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFit:
+    decode_a_s: float
+    decode_c_s: float
+    prefill_s_per_token: float
+    calls: int
+    """Engine calls the fit used."""
+    r2: float
+    """Share of the variance of call durations the fit explains."""
+    mean_batch: float
+    """Mean of ``b̄`` over the calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    start: float
+    end: float
+    tokens: int
+    prompt: int
+
+
+def _calls(step: StepTrace) -> list[_Call]:
+    out = []
+    for req in step.requests:
+        for e in req.events:
+            if e.kind is not EventKind.TURN_ENGINE_CALL:
+                continue
+            tokens, prompt = e.extra.get("output_tokens"), e.extra.get("prompt_tokens", 0)
+            if isinstance(tokens, int) and isinstance(prompt, int):
+                out.append(_Call(e.start, e.end, tokens, prompt))
+    return out
+
+
+def _features(calls: Sequence[_Call]) -> tuple[np.ndarray, np.ndarray]:
+    """Design matrix [n, n·b̄, P] and durations of the calls of one step."""
+    starts = np.array([c.start for c in calls])
+    ends = np.array([c.end for c in calls])
+    # Running count R(t) is piecewise constant between the sorted breakpoints; its integral
+    # is piecewise linear, so np.interp gives ∫R over any interval.
+    times = np.concatenate([starts, ends])
+    deltas = np.concatenate([np.ones(len(calls)), -np.ones(len(calls))])
+    order = np.lexsort((-deltas, times))  # at one instant, starts before ends
+    times, deltas = times[order], deltas[order]
+    running = np.cumsum(deltas)
+    integral = np.concatenate([[0.0], np.cumsum(running[:-1] * np.diff(times))])
+    span = ends - starts
+    area = np.interp(ends, times, integral) - np.interp(starts, times, integral)
+    mean_b = np.where(span > 0, area / np.where(span > 0, span, 1.0), 1.0)
+    mean_b = np.maximum(mean_b, 1.0)
+    by_start = np.argsort(starts, kind="stable")
+    sorted_starts = starts[by_start]
+    prompt_cum = np.concatenate([[0.0], np.cumsum([calls[i].prompt for i in by_start])])
+    lo = np.searchsorted(sorted_starts, starts, side="left")
+    hi = np.searchsorted(sorted_starts, ends, side="left")
+    hi = np.maximum(hi, lo + 1)  # the call's own prefill, even for a zero-length span
+    prefill = prompt_cum[hi] - prompt_cum[lo]
+    n = np.array([c.tokens for c in calls], dtype=float)
+    return np.column_stack([n, n * mean_b, prefill]), span
+
+
+def fit_decode(steps: Sequence[StepTrace]) -> DecodeFit | None:
+    """The decode-step parameters that best explain the engine calls of ``steps``; None
+    when the trace has too few timed engine calls with tokens (a reference trace)."""
+    xs, ys, batches = [], [], []
+    for step in steps:
+        calls = [c for c in _calls(step) if c.tokens > 0]
+        if calls:
+            x, y = _features(calls)
+            xs.append(x)
+            ys.append(y)
+            batches.append(x[:, 1] / x[:, 0])
+    if not xs or sum(len(y) for y in ys) < MIN_CALLS:
+        return None
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    coef = _nonneg_lstsq(x, y)
+    resid = y - x @ coef
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
+    return DecodeFit(
+        decode_a_s=float(coef[0]),
+        decode_c_s=float(coef[1]),
+        prefill_s_per_token=float(coef[2]),
+        calls=len(y),
+        r2=r2,
+        mean_batch=float(np.concatenate(batches).mean()),
+    )
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set: drop negatives, refit)."""
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active = [j for j, v in zip(active, sol, strict=True) if v >= 0]
+    return coef

@@ -1,0 +1,146 @@
+"""The trainer's over-sampling budget: what a step launches beyond its batch and what becomes
+of it, over the run — the long-round queue (``rollout/long_rounds.py``), the adaptive cut
+(``rollout/adapt.py``), the length ledger (``algo/length_bias.py``) and the count of steps
+the group filter emptied (``algo/filter.py``). One object, so the trainer's checkpoint holds
+it as one entry (``state_dict``) and the step reads as a flow.
+
+Every decision here depends only on the merged step (the same on every rank) and on values
+rank 0 broadcasts (the overhead seconds the adaptive cut learns from), so every rank of a
+job launches the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tailcut.algo.batch import RowPlan
+from tailcut.algo.length_bias import LengthLedger, audit_length_bias
+from tailcut.config import CutoffConfig
+from tailcut.rollout.adapt import ADAPTABLE, AdaptiveCut, cutoff_update, share_of
+from tailcut.rollout.long_rounds import LongRoundQueue, prompts_of_groups, withhold_cut_groups
+from tailcut.types import Sample
+
+
+class Budget:
+    def __init__(self, cfg: CutoffConfig, batch_size: int) -> None:
+        self.cfg = cfg
+        self.long = LongRoundQueue() if cfg.long_rounds else None
+        self.long_size = cfg.long_round_prompts or batch_size
+        self.adapt: AdaptiveCut | None = None
+        if cfg.adapt:
+            if cfg.policy not in ADAPTABLE:
+                raise ValueError(
+                    f"cutoff.adapt: adapts the cut of {', '.join(ADAPTABLE)}, not "
+                    f"cutoff.policy={cfg.policy}"
+                )
+            self.adapt = AdaptiveCut(
+                share_of(cfg.policy, cfg.abort_ratio, cfg.over_provision),
+                cfg.adapt_min, cfg.adapt_max, max_change=cfg.adapt_max_change,
+                max_length_bias=cfg.max_length_bias, history=cfg.history,
+            )  # fmt: skip
+        self.ledger = LengthLedger()
+        self.skipped_steps = 0
+        self.audit_pending = False
+        """An audit step fell on a long round (never cut anyway): the next step audits."""
+        self.step_metrics: dict[str, float] = {}
+
+    # -- before the step ------------------------------------------------------------------
+
+    def cutoff(self) -> CutoffConfig:
+        """The cut-off config of this step (the adaptive share applied)."""
+        if self.adapt is None:
+            return self.cfg
+        return self.cfg.model_copy(update=cutoff_update(self.cfg.policy, self.adapt.share))
+
+    def audit_due(self, step: int, every: int, long_round: bool) -> bool:
+        """Whether ``step`` runs uncut to audit (``cutoff.audit_every``); one that falls on
+        a long round moves to the next short step."""
+        due = self.audit_pending or (bool(every) and step % every == 0)
+        self.audit_pending = due and long_round
+        return due and not long_round
+
+    def long_round_due(self) -> bool:
+        return self.long is not None and self.long.ready(self.long_size)
+
+    def take_long_round(self) -> list[dict[str, Any]]:
+        assert self.long is not None
+        return [e.data for e in self.long.take(self.long_size)]
+
+    # -- during the step ------------------------------------------------------------------
+
+    def withhold(self, plan: RowPlan, samples: Sequence[Sample], step: int) -> RowPlan:
+        """Long rounds (drop, mask): the rows of groups with a cut member leave the plan,
+        their prompts join the queue."""
+        if self.long is None:
+            return plan
+        w = withhold_cut_groups(plan, samples)
+        self.long.push(prompts_of_groups(samples, w.groups), step)
+        self._add("long/withheld_groups", len(w.groups))
+        self._add("long/withheld_rows", w.rows)
+        return w.plan
+
+    def queue_lost(self, lost: Sequence[Sample], step: int) -> None:
+        """Long rounds (partial): the prompts of trajectories past ``max_staleness``."""
+        if self.long is None or not lost:
+            return
+        groups = list(dict.fromkeys(s.group for s in lost))
+        self._add("long/expired_groups", self.long.push(prompts_of_groups(lost, groups), step))
+
+    def audit(self, samples: Sequence[Sample], n_keep: int) -> float:
+        """``bias/length`` of an uncut step, the cut replayed under this run's mode."""
+        bias = audit_length_bias(
+            samples, n_keep, self.cfg.aborted, self.cfg.long_rounds, self.cfg.max_staleness
+        )
+        self.ledger.audit(samples, bias)
+        return bias
+
+    def _add(self, key: str, n: int) -> None:
+        self.step_metrics[key] = self.step_metrics.get(key, 0.0) + n
+
+    # -- after the step -------------------------------------------------------------------
+
+    def learn(self, samples: Sequence[Sample], overhead_s: float) -> None:
+        """The adaptive cut learns from the step's first round (``overhead_s``: its update
+        and sync seconds, as rank 0 measured them) and picks the next step's share."""
+        if self.adapt is None:
+            return
+        used = self.adapt.share
+        self.adapt.observe(samples, overhead_s)
+        choice = self.adapt.choose()
+        m = self.step_metrics
+        m["cutoff/share"] = used
+        m.update({f"cutoff/{k}": v for k, v in cutoff_update(self.cfg.policy, used).items()})
+        m["cutoff/next_share"] = choice.share
+        m["cutoff/predicted_rate"] = choice.rate
+        m["cutoff/predicted_length_bias"] = choice.length_bias
+
+    def metrics(self) -> dict[str, float]:
+        """This step's budget figures (then reset) and the run's so far."""
+        out, self.step_metrics = self.step_metrics, {}
+        if self.long is not None:
+            out["long/queued"] = float(len(self.long))
+            out["long/queued_total"] = float(self.long.queued_total)
+            out["long/run_total"] = float(self.long.run_total)
+            out["long/rounds_total"] = float(self.long.rounds_total)
+        out["batch/skipped_total"] = float(self.skipped_steps)
+        out.update(self.ledger.metrics())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "long": self.long.state_dict() if self.long is not None else None,
+            "adapt": self.adapt.state_dict() if self.adapt is not None else None,
+            "ledger": self.ledger.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "audit_pending": self.audit_pending,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.long is not None and state.get("long"):
+            self.long.load_state_dict(state["long"])
+        if self.adapt is not None and state.get("adapt"):
+            self.adapt.load_state_dict(state["adapt"])
+        self.ledger.load_state_dict(state.get("ledger") or {})
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.audit_pending = bool(state.get("audit_pending", False))

@@ -1,0 +1,170 @@
+"""The over-sampling budget end to end on the tiny deterministic setup (virtual time): long
+rounds, the adaptive cut, the group filter with extra launch rounds, group refill."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from train_fixtures import prompts, read_jsonl, tiny_config, tiny_setup
+
+from tailcut.train.trainer import Trainer
+from tailcut.vtime import run_virtual
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+CUT = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "trainer.val_every=0")
+
+
+def _train(cfg: Any, tokenizer: Any, setup: Any = None) -> tuple[Trainer, list[dict[str, Any]]]:
+    trainer = Trainer(cfg, setup or tiny_setup(cfg, tokenizer), console=Console(quiet=True))
+    run_virtual(trainer.run())
+    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")[1:]
+
+
+@pytest.mark.parametrize("mode", ["drop", "partial"])
+def test_long_rounds_run_the_cut_prompts_whole_and_uncut(
+    tmp_path: Path, chat_tokenizer: Any, mode: str
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, f"cutoff.aborted={mode}", "cutoff.long_rounds=true",
+        "cutoff.long_round_prompts=2", "cutoff.max_staleness=0", "trainer.steps=4",
+        "cutoff.audit_every=2",
+    )  # fmt: skip
+    trainer, rows = _train(cfg, chat_tokenizer)
+    short = [r for r in rows if r["long/round"] == 0]
+    long = [r for r in rows if r["long/round"] == 1]
+    assert short and long
+    for r in short:
+        if not r["rollout/audit"]:
+            assert r["rollout/aborted"] == 4 and r["long/round"] == 0
+            queued = r["long/expired_groups"] if mode == "partial" else r["long/withheld_groups"]
+            assert queued >= 1
+    for r in long:  # the queued prompts, a whole group of 4 each, never cut
+        assert r["rollout/launched"] % 4 == 0 and r["rollout/launched"] >= 8
+        assert r["rollout/aborted"] == 0
+    if mode == "drop":  # a withheld group trains no row in its short step
+        assert all(r["batch/real_rows"] + r["long/withheld_rows"] == 12 for r in short[:1])
+    last = rows[-1]
+    assert last["long/run_total"] == 2 * last["long/rounds_total"] >= 2
+    assert last["long/queued_total"] == last["long/run_total"] + last["long/queued"]
+    audits = [r for r in rows if r["rollout/audit"]]  # step 2 a long round: step 3 audits
+    assert [r["step"] for r in audits] == [3, 4] and "bias/length" in audits[0]
+    assert "bias/length_run" in last and "bias/length" not in rows[0]
+    assert trainer.budget.long is not None
+    state = trainer._state()["budget"]["long"]
+    assert len(state["entries"]) == last["long/queued"]
+
+
+def test_adaptive_cut_logs_its_choice_within_bounds(tmp_path: Path, chat_tokenizer: Any) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, "cutoff.adapt=true", "cutoff.adapt_min=0.1",
+        "cutoff.adapt_max=0.4", "cutoff.adapt_max_change=0.1", "cutoff.max_length_bias=0.5",
+        "trainer.steps=3",
+    )  # fmt: skip
+    trainer, rows = _train(cfg, chat_tokenizer)
+    assert rows[0]["cutoff/share"] == 0.25 == rows[0]["cutoff/abort_ratio"]
+    for prev, cur in itertools.pairwise(rows):
+        assert cur["cutoff/share"] == prev["cutoff/next_share"]
+    for r in rows:
+        assert 0.1 <= r["cutoff/next_share"] <= 0.4
+        assert abs(r["cutoff/next_share"] - r["cutoff/share"]) <= 0.1 + 1e-9
+        # It cuts at int(16 (1 - share)) kept (those finishing with the last kept stay).
+        assert r["rollout/aborted"] <= 16 - int(16 * (1 - r["cutoff/share"]))
+    # The update takes no time on the virtual clock (nothing to amortize): it cuts more.
+    assert rows[1]["cutoff/share"] == pytest.approx(0.32) and rows[1]["rollout/aborted"] == 6
+    assert trainer.budget.adapt is not None
+    assert trainer._state()["budget"]["adapt"]["share"] == rows[-1]["cutoff/next_share"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [("target-count", "drop"), ("target-count", "mask"), ("target-count", "partial"),
+     ("group-quota", "drop")],
+)  # fmt: skip
+def test_filter_groups_fills_the_batch_with_informative_groups(
+    tmp_path: Path, chat_tokenizer: Any, policy: str, mode: str
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, f"cutoff.policy={policy}", f"cutoff.aborted={mode}",
+        "algo.filter_groups=zero-std",
+        "algo.max_gen_rounds=3", "trainer.steps=2",
+    )  # fmt: skip
+    _, rows = _train(cfg, chat_tokenizer)
+    for r in rows:
+        assert r["batch/informative_groups"] <= 4
+        extra = r["batch/gen_rounds"]
+        assert (extra > 0) == (r["rollout/launched_extra"] > 0)
+        if r["batch/informative_groups"] < 4:
+            assert extra == 3  # it tried every round it may
+        assert r["adv/zero_std_groups"] == 0 and r["adv/small_groups"] == 0
+    assert sum(r["batch/filtered_groups"] for r in rows) > 0
+    assert any(r["batch/gen_rounds"] > 0 for r in rows)
+    step = next(r["step"] for r in rows if r["batch/gen_rounds"] > 0)
+    traces = Path(cfg.trainer.run_dir) / "traces" / f"step_{step}"
+    assert (traces / "worker_0.jsonl").is_file() and (traces / "worker_0.round1.jsonl").is_file()
+
+
+def test_a_step_the_filter_empties_is_skipped_and_counted(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, "algo.filter_groups=zero-std", "algo.max_gen_rounds=1",
+        "trainer.steps=2",
+    )  # fmt: skip
+    setup = tiny_setup(cfg, chat_tokenizer)
+    unanswerable = [
+        {**p, "reward_model": {"style": "rule", "ground_truth": "987654321"}} for p in prompts(40)
+    ]
+    setup.train_prompts = unanswerable  # every reward 0: no group is informative
+    trainer, rows = _train(cfg, chat_tokenizer, setup)
+    assert trainer.step == 2
+    for k, r in enumerate(rows, start=1):
+        assert r["batch/skipped"] == 1 and r["batch/skipped_total"] == k
+        assert r["batch/gen_rounds"] == 1 and "train/loss" not in r
+    assert trainer.actor.version == 0
+
+
+def test_failed_samples_are_relaunched_and_counted_before_refill(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", "cutoff.policy=wait-all", "trainer.val_every=0", "trainer.steps=1",
+        "rollout.max_retries=2",
+    )  # fmt: skip
+    setup = tiny_setup(cfg, chat_tokenizer)
+    setup.train_prompts = [
+        {**r, "data_source": "nobody/knows"} if i % 4 == 0 else r for i, r in enumerate(prompts(40))
+    ]
+    _, rows = _train(cfg, chat_tokenizer, setup)
+    r = rows[0]
+    failed = r["rollout/failed"]
+    assert failed > 0  # a reward that cannot be computed fails every attempt
+    assert r["rollout/retries"] == 2 * failed and r["rollout/refilled"] == 0
+    assert r["rollout/failed_before_refill"] == failed
+
+
+def test_long_round_queue_and_adaptive_state_survive_a_resume(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    extra = (
+        *CUT, "cutoff.long_rounds=true", "cutoff.long_round_prompts=3", "cutoff.adapt=true",
+        "cutoff.max_length_bias=0.5", "trainer.steps=4",
+    )  # fmt: skip
+    _, full = _train(tiny_config(tmp_path / "full", *extra), chat_tokenizer)
+
+    def kill(step: int, phase: str) -> None:
+        if step == 3 and phase == "rollout":
+            raise KeyboardInterrupt
+
+    cfg = tiny_config(tmp_path / "cut", *extra)
+    with pytest.raises(KeyboardInterrupt):
+        setup = tiny_setup(cfg, chat_tokenizer)
+        run_virtual(Trainer(cfg, setup, console=Console(quiet=True), fault=kill).run())
+    _, resumed = _train(cfg, chat_tokenizer)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for k in ("long/round", "long/queued", "cutoff/share", "rollout/launched", "train/loss"):
+        assert [r.get(k) for r in resumed[2:]] == [r.get(k) for r in full[2:]], k
+    assert any(r["long/round"] for r in full)

@@ -1,0 +1,92 @@
+"""Long rounds: groups with a cut member are withheld and their prompts queued; the queue
+hands them out oldest first and survives a checkpoint; the length bias per mode."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from tailcut.algo.batch import plan_rows
+from tailcut.algo.length_bias import LengthLedger, audit_length_bias, replay_trained
+from tailcut.rollout.long_rounds import LongRoundQueue, prompts_of_groups, withhold_cut_groups
+from tailcut.types import FinishReason, Sample, Status, token_array
+
+
+def _s(i: int, group: int, n_tokens: int, status: Status = Status.COMPLETED) -> Sample:
+    s = Sample(index=i, group=group, status=status, data={"prompt": f"p{group}"})
+    s.reward = 1.0 if status is Status.COMPLETED else None
+    s.finish_reason = FinishReason.STOP if status is Status.COMPLETED else FinishReason.ABORT
+    s.response_ids = token_array([1] * n_tokens)
+    s.launched_at, s.ended_at = 0.0, float(n_tokens)
+    return s
+
+
+@pytest.mark.parametrize("mode", ["drop", "mask"])
+def test_groups_with_a_cut_member_are_withheld_whole(mode: str) -> None:
+    samples = [_s(0, 0, 2), _s(1, 0, 3), _s(2, 1, 4), _s(3, 1, 9, Status.ABORTED)]
+    w = withhold_cut_groups(plan_rows(samples, None, mode), samples)  # type: ignore[arg-type]
+    assert w.groups == [1] and w.plan.groups == [0, 0]
+    assert w.rows == (2 if mode == "mask" else 1)
+    assert w.plan.counts.real == 2 and w.plan.counts.masked == 0
+    assert prompts_of_groups(samples, w.groups) == [{"prompt": "p1"}]
+
+
+def test_queue_is_oldest_first_and_checkpointed() -> None:
+    q = LongRoundQueue()
+    q.push([{"p": 1}, {"p": 2}], step=1)
+    q.push([{"p": 3}], step=2)
+    assert not q.ready(4) and q.ready(3)
+    again = LongRoundQueue()
+    again.load_state_dict(pickle.loads(pickle.dumps(q.state_dict())))
+    assert [e.data for e in again.take(2)] == [{"p": 1}, {"p": 2}]
+    assert len(again) == 1 and again.queued_total == 3 and again.run_total == 2
+    assert again.rounds_total == 1
+
+
+def _audit_step() -> list[Sample]:
+    # Two prompts of two samples; the longest (8 tokens) is the one a cut of 3 would abort.
+    return [_s(0, 0, 1), _s(1, 0, 2), _s(2, 1, 3), _s(3, 1, 8)]
+
+
+def test_length_bias_per_mode() -> None:
+    samples = _audit_step()
+    mean = (1 + 2 + 3 + 8) / 4
+    drop = audit_length_bias(samples, 3, "drop", False, 1)
+    assert drop == pytest.approx(2 / mean - 1)
+    assert audit_length_bias(samples, 3, "mask", False, 1) == drop
+    # partial: the cut one (d = 8) finishes in the next step only if 8 <= 2 * c (c = 3): no.
+    assert audit_length_bias(samples, 3, "partial", False, 1) == drop
+    assert audit_length_bias(samples, 3, "partial", False, 2) == pytest.approx(0.0)  # 8 <= 9
+    # long rounds: the cut group runs again whole (at its uncut lengths).
+    assert audit_length_bias(samples, 3, "drop", True, 1) == pytest.approx(0.0)
+    trained = replay_trained(samples, 3, "partial", True, 1)
+    assert sorted(len(s.response_ids) for s in trained) == [1, 2, 3, 3, 8]
+    assert audit_length_bias(samples, 4, "drop", False, 1) == 0.0  # nothing cut
+
+
+def test_resumed_trajectories_are_no_part_of_the_uncut_reference() -> None:
+    samples = _audit_step()
+    tail = _s(4, 7, 50)  # the previous step's cut one, finishing in this audit step
+    tail.resumed_from_step = 3
+    tail.ended_at = 0.5
+    with_tail = [*samples, tail]
+    assert audit_length_bias(with_tail, 4, "partial", False, 1) == pytest.approx(
+        audit_length_bias(samples, 3, "partial", False, 1)
+    )
+    ledger = LengthLedger()
+    ledger.audit(with_tail, replayed=0.0)
+    assert ledger.audit_n == 4 and ledger.audit_tokens == 14
+
+
+def test_ledger_measures_trained_against_audit_lengths() -> None:
+    ledger = LengthLedger()
+    assert ledger.metrics() == {}
+    ledger.audit(_audit_step(), replayed=-0.4)
+    assert ledger.trained([_s(0, 0, 2), _s(1, 0, 4)]) == 3.0
+    m = ledger.metrics()
+    assert m["bias/length_run"] == pytest.approx(3.0 / 3.5 - 1)
+    assert m["bias/length_replay_mean"] == -0.4
+    back = LengthLedger()
+    back.load_state_dict(ledger.state_dict())
+    assert back.metrics() == m

@@ -1,0 +1,84 @@
+import math
+
+from tailcut.rollout.predict import LengthPredictor, conditional_mean, prompt_key, ranks, spearman
+from tailcut.types import Sample, Status, Turn
+
+
+def _sample(index: int, group: int, tokens: int, status: Status, prompt: int) -> Sample:
+    s = Sample(index=index, group=group, data={"prompt_id": prompt})
+    s.turns.append(Turn(0, f"r{index:07d}", 4, output_tokens=tokens))
+    s.status = status
+    return s
+
+
+def test_ranks_and_spearman():
+    assert ranks([10.0, 30.0, 20.0, 20.0]) == [1.0, 4.0, 2.5, 2.5]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert spearman([1, 1, 1], [1, 2, 3]) == 0.0
+
+
+def test_conditional_mean_is_the_mean_without_a_bound_and_above_any_bound():
+    assert math.isclose(conditional_mean(0.0, 1.0, 0.0), math.exp(0.5))
+    for lower in (0.5, 1.0, 10.0, 1e6):
+        assert conditional_mean(0.0, 1.0, lower) > lower
+    assert conditional_mean(0.0, 1.0, 10.0) > conditional_mean(0.0, 1.0, 1.0)
+
+
+def test_prompt_key_prefers_the_rows_prompt_id():
+    assert prompt_key(Sample(index=0, data={"prompt_id": 7})) == 7
+    a, b = Sample(index=0, prompt_ids=[1, 2]), Sample(index=1, prompt_ids=[1, 2])
+    assert prompt_key(a) == prompt_key(b)
+
+
+def _epoch(pred: LengthPredictor, lengths: dict[int, int], start: int = 0) -> None:
+    """One step: prompts p with 8 members each of about lengths[p] tokens."""
+    samples = []
+    for p, n in lengths.items():
+        for m in range(8):
+            tokens = int(n * (0.9 + 0.2 * m / 7))
+            samples.append(_sample(start + len(samples), p, tokens, Status.COMPLETED, p))
+    pred.end_step(samples)
+
+
+def test_history_of_a_prompt_ranks_its_next_epoch():
+    pred = LengthPredictor()
+    lengths = {p: 100 * (1 + p) for p in range(12)}
+    _epoch(pred, lengths)
+    _epoch(pred, lengths)  # a second epoch: the history is measured to predict
+    assert pred.history_weight > 0.9
+    samples = [Sample(index=i, group=p, data={"prompt_id": p}) for i, p in enumerate(lengths)]
+    pred.start_step(samples)
+    preds = [pred.remaining(i) for i in range(len(samples))]
+    assert spearman(preds, list(lengths.values())) == 1.0
+
+
+def test_no_signal_predicts_the_same_for_everyone():
+    pred = LengthPredictor()
+    same = dict.fromkeys(range(12), 500)
+    _epoch(pred, same)
+    _epoch(pred, same)
+    assert math.isinf(pred.shrink)  # prompts share nothing: the global level for all
+    samples = [Sample(index=i, group=p, data={"prompt_id": p}) for i, p in enumerate(same)]
+    pred.start_step(samples)
+    assert len({round(pred.remaining(i), 6) for i in range(12)}) == 1
+
+
+def test_finished_siblings_and_own_progress_move_the_prediction():
+    pred = LengthPredictor()
+    _epoch(pred, {p: 100 * (1 + p) for p in range(12)})
+    samples = [Sample(index=i, group=i // 2, data={"prompt_id": 100 + i}) for i in range(4)]
+    pred.start_step(samples)
+    before = pred.remaining(1)
+    assert pred.sibling_done(0, 5000) == [1]
+    assert pred.remaining(1) > before  # a long sibling: a hard prompt
+    assert pred.remaining(1, tokens_so_far=3000) > 0
+
+
+def test_censored_samples_teach_a_longer_length_than_they_reached():
+    done, cut = LengthPredictor(), LengthPredictor()
+    done.end_step(
+        [_sample(0, 0, 400, Status.COMPLETED, 1), _sample(1, 0, 400, Status.COMPLETED, 1)]
+    )
+    cut.end_step([_sample(0, 0, 400, Status.COMPLETED, 1), _sample(1, 0, 400, Status.ABORTED, 1)])
+    assert cut.level > done.level
