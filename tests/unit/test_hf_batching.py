@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tailcut.config import HFEngineConfig  # noqa: E402
+from fakes.hf_runs import fixed_request, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.graphs import batch_bucket, prefill_shape, width_bucket  # noqa: E402
 from tailcut.engine.hf.sampling import sample_tokens  # noqa: E402
@@ -20,8 +20,6 @@ from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    SamplingParams,
-    new_request_id,
 )
 
 T = TypeVar("T")
@@ -39,36 +37,16 @@ def model() -> Any:
     return transformers.Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def run(
-    model: Any,
-    body: Callable[[HFEngine], Awaitable[T]],
-    *,
-    slots: int,
-    buckets: bool = False,
-    **cfg: Any,
-) -> T:
-    async def main() -> T:
-        engine = HFEngine(
-            model, HFEngineConfig(**{"max_seq_len": 256, **cfg}), max_batch_size=slots, eos_ids=()
-        )
-        engine._worker._runner.decoder.buckets = buckets  # CUDA graphs' padded shapes, on CPU
-        try:
-            async with asyncio.timeout(60):
-                return await body(engine)
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(main())
+def run(model: Any, body: Callable[[HFEngine], Awaitable[T]], *, slots: int, **cfg: Any) -> T:
+    return run_engine(model, body, slots=slots, **cfg)
 
 
 def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
-    return GenerateRequest(
-        new_request_id("bt"), prompt, SamplingParams(max_new_tokens=n, ignore_eos=True, **sp)
-    )
+    return fixed_request(prompt, n, "bt", **sp)
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [3 + (i * 53 + j * 7) % (VOCAB - 3) for j in range(length)]
+    return made_up_prompt(i, length, VOCAB, 53, 7)
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:

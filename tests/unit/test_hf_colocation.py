@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from fakes.hf_runs import fixed_request, made_up_prompt, run_engine  # noqa: E402
 from tailcut.algo.vocab import sampleable  # noqa: E402
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.base import (  # noqa: E402
@@ -27,8 +28,6 @@ from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    SamplingParams,
-    new_request_id,
 )
 
 T = TypeVar("T")
@@ -54,30 +53,15 @@ def model() -> Any:
 
 
 def run(model: Any, body: Callable[[HFEngine], Awaitable[T]], *, slots: int = 6, **cfg: Any) -> T:
-    buckets = cfg.pop("buckets", False)
-
-    async def main() -> T:
-        engine = HFEngine(
-            model, HFEngineConfig(**{"max_seq_len": 256, **cfg}), max_batch_size=slots, eos_ids=()
-        )
-        engine._worker._runner.decoder.buckets = buckets  # CUDA's padded shapes, on CPU
-        try:
-            async with asyncio.timeout(60):
-                return await body(engine)
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(main())
+    return run_engine(model, body, slots=slots, **cfg)
 
 
 def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
-    return GenerateRequest(
-        new_request_id("co"), prompt, SamplingParams(max_new_tokens=n, ignore_eos=True, **sp)
-    )
+    return fixed_request(prompt, n, "co", **sp)
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [3 + (i * 41 + j * 13) % (VOCAB - 3) for j in range(length)]
+    return made_up_prompt(i, length, VOCAB, 41, 13)
 
 
 def full_logits(model: Any, prompt_ids: list[int], output_ids: list[int]) -> Any:

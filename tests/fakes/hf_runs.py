@@ -1,0 +1,52 @@
+"""Running the embedded engine on a small model in a test: one engine per call, closed
+afterwards, bounded in time; requests and prompts made up from a few numbers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from tailcut.config import HFEngineConfig
+from tailcut.engine.hf import HFEngine
+from tailcut.types import GenerateRequest, SamplingParams, new_request_id
+
+T = TypeVar("T")
+
+
+def run_engine(
+    model: Any,
+    body: Callable[[HFEngine], Awaitable[T]],
+    *,
+    slots: int,
+    buckets: bool = False,
+    **cfg: Any,
+) -> T:
+    """``body(engine)`` on a fresh engine over ``model`` (``max_seq_len`` 256 unless
+    ``cfg`` says otherwise); ``buckets``: the padded shapes CUDA graphs are captured for,
+    on the CPU."""
+
+    async def main() -> T:
+        engine = HFEngine(
+            model, HFEngineConfig(**{"max_seq_len": 256, **cfg}), max_batch_size=slots, eos_ids=()
+        )
+        engine._worker._runner.decoder.buckets = buckets
+        try:
+            async with asyncio.timeout(60):
+                return await body(engine)
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(main())
+
+
+def fixed_request(prompt: list[int], n: int, prefix: str, **sp: Any) -> GenerateRequest:
+    """A request for exactly ``n`` tokens (EOS ignored)."""
+    return GenerateRequest(
+        new_request_id(prefix), prompt, SamplingParams(max_new_tokens=n, ignore_eos=True, **sp)
+    )
+
+
+def made_up_prompt(i: int, length: int, vocab: int, a: int, b: int) -> list[int]:
+    """Prompt ``i`` of ``length`` ids in ``3 .. vocab-1`` (0-2: pad, bos, eos)."""
+    return [3 + (i * a + j * b) % (vocab - 3) for j in range(length)]
