@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -146,7 +147,15 @@ def _cli(run: Path, model: Path, *extra: str, fault: str | None = None):
     return subprocess.run(
         [sys.executable, "-m", "tailcut", "train", *args, *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    """The run gets SIGINT's default disposition even where the suite itself was started
+    with it ignored (a background job of a non-interactive shell): else the INT fault
+    is ignored and the run ends as if never interrupted."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
