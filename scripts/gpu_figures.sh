@@ -103,8 +103,10 @@ last_batch=${BATCHES##* }
 if [ "${RUN_EXTRAS:-1}" = 1 ] && [ -n "${first:-}" ]; then
     # sampling over every row of the head (a checkpoint whose tokenizer fills it)
     sweep "fullvocab_$tag" 120 "$first" --batch "$last_batch" --full-vocab --no-release
-    # eager decode at the smallest batch: what the CUDA graphs buy
-    sweep "eager_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-graphs --no-release
+    # eager decode at the smallest batch: what the CUDA graphs buy (profiled: per kernel)
+    sweep "eager_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-graphs --no-release --profile
+    # where a replayed decode pass's time goes: device busy time beside the wall time
+    sweep "profile_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-release --profile
     # the engine against batched model.generate (same prompts and lengths), aborts
     step "vs_generate_$tag" 120 "$PY" -m tailcut bench --engine hf --model "$first" \
         --device "$DEVICE" --requests 128 --concurrency 64 --max-new-tokens "$NEW_TOKENS" --json
@@ -146,6 +148,11 @@ for f in sorted(out.glob("*.json")):
                 f"{b['bound_ms_per_pass']:.3f}) | prefill {b['prefill_ms_per_pass']:.1f} ms/pass | "
                 f"e2e {b['tokens_per_s']:,.0f} tok/s | peak {gb(b['peak_allocated_bytes'])} "
                 f"(KV {gb(b['kv_cache_bytes'])}) | sampled rows {b['vocab_rows']:,}")
+        p = b.get("profile")
+        if p:
+            line += (f"\n          profiled: device busy {p['device_busy_ms_per_pass']:.2f} ms of "
+                     f"{p['wall_ms_per_pass']:.2f} ms a pass; top kernels: "
+                     + "; ".join(f"{k['name'][:60]} {k['ms']:.1f} ms/{k['calls']}" for k in p["kernels"][:6]))
         if r:
             freed = r["allocated_before_release"] - r["allocated_after_release"]
             line += (f"\n          release {r['release_s']:.3f} s (KV {gb(r['kv_cache_bytes_freed'])} + "

@@ -71,9 +71,10 @@ def _peak(device: Any) -> int:
 
 async def measure_batch(
     lm: Any, batch: int, max_new_tokens: int, *, vocab_rows: int | None, hbm_gbs: float,
-    seed: int, release: bool, engine_options: dict[str, Any],
+    seed: int, release: bool, engine_options: dict[str, Any], profile: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """One batch size: warm-up, timed run, release/resume (see the module docstring)."""
+    """One batch size: warm-up, timed run, release/resume (see the module docstring);
+    ``profile``: one more run under the torch profiler (:func:`_profiled`)."""
     from tailcut.config import HFEngineConfig
     from tailcut.engine.hf import HFEngine
 
@@ -132,11 +133,41 @@ async def measure_batch(
             "kv_cache_bytes": engine.kv_cache_bytes[0],
             "peak_allocated_bytes": _peak(device),
         }
+        if profile:
+            figures["profile"] = await _profiled(engine, wl, batch)
         if release:
             figures["release"] = await _release_resume(engine, wl)
     finally:
         await engine.aclose()
     return figures
+
+
+async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 12) -> dict[str, Any]:
+    """One more run of the same requests under ``torch.profiler``: the device's busy time
+    per decode pass (every kernel, graph replays included) beside the pass's wall time, and
+    the kernels that take most of it — where a pass's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = engine.counters
+    passes, seconds = c.decode_passes, c.decode_seconds
+    activities = [ProfilerActivity.CPU]
+    if next(engine.model.parameters()).device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        await engine_run(engine, wl, batch)
+    passes, seconds = c.decode_passes - passes, c.decode_seconds - seconds
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "decode_passes": passes,
+        "wall_ms_per_pass": 1000 * seconds / max(1, passes),
+        "device_busy_ms_per_pass": busy_us / 1000 / max(1, passes),
+        "kernels": [
+            {"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1000}
+            for e in events[:top]
+        ],
+    }
 
 
 async def _release_resume(engine: Any, wl: Workload) -> dict[str, Any]:
@@ -166,6 +197,7 @@ def run_hf_sweep(
     dtype: str = "auto", hbm_gbs: float = H200_GBS, seed: int = 0, release: bool = True,
     threads: int | None = None, json_out: bool = False, name: str | None = None,
     engine_options: dict[str, Any] | None = None, out: Path | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Every batch size in turn on one loaded model; prints a table (or JSON) and returns
     the figures (also written to ``out`` as JSON after each batch size, so a run cut short
@@ -202,6 +234,7 @@ def run_hf_sweep(
                     seed=seed,
                     release=release,
                     engine_options=engine_options or {},
+                    profile=profile,
                 )
             )
         )
@@ -265,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--full-vocab", action="store_true", help="sample all rows of the head")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--no-release", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="where a decode pass's time goes")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     name = a.name or a.model
@@ -274,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
         release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else ""),
-        engine_options=options, out=a.out,
+        engine_options=options, out=a.out, profile=a.profile,
     )  # fmt: skip
 
 

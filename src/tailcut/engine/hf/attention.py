@@ -13,7 +13,9 @@ returned and applies, per layer:
   sees keys at positions ``> p - window`` — the window of transformers' own masks;
 * attention-logit soft-capping where the layer passes ``softcap`` (Gemma 2):
   ``tanh(scores / cap) * cap`` before the mask;
-* grouped-query attention (key/value heads repeated to the query heads).
+* grouped-query attention: in a decode pass (one query per row) the query heads that share
+  a key/value head are that head's queries, so the cache is read in place; otherwise the
+  key/value heads are repeated to the query heads.
 
 Masks are built from the pass's query positions (``SlotMasks.prefill`` / ``.decode``),
 once per distinct window per pass, on the device (inside a CUDA graph capture too). The
@@ -137,24 +139,34 @@ def slot_attention(
         attention_mask = masks.mask(sliding_window)
     elif attention_mask is not None:  # transformers' eager mask (window applied already)
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
+    batch, heads, queries, dim = query.shape
+    groups = heads // key.shape[1]
+    folded = groups > 1 and queries == 1 and masks is not None
+    if folded:
+        # One new token per row (a decode pass; its mask is one row per batch row): the
+        # query heads sharing a key/value head become that head's queries, so the keys and
+        # values are read in place instead of copied once per query head.
+        query = query.reshape(batch, key.shape[1], groups, dim)
+    elif groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     if softcap is None:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=attention_mask is None and query.shape[2] > 1,
+            is_causal=attention_mask is None and queries > 1,
         )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    else:
+        scale = scaling if scaling is not None else dim**-0.5
+        scores = torch.matmul(query, key.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        probs = F.dropout(probs, p=dropout, training=module.training)
+        out = torch.matmul(probs, value)
+    if folded:
+        out = out.reshape(batch, heads, 1, dim)
+    return out.transpose(1, 2).contiguous(), None
 
 
 _registered = False
