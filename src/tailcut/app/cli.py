@@ -16,7 +16,6 @@ import os
 import sys
 from typing import Annotated, Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -105,7 +104,7 @@ class _Boundary(TyperGroup):
             if found is None or debugging():
                 raise
             line, code = found
-            click.echo(f"error: {line}", err=True)
+            typer.echo(f"error: {line}", err=True)
             sys.exit(code)
 
 

@@ -2,7 +2,10 @@
 
 Loads a verl-format parquet file, launches the requests the cut-off policy asks for
 through the agent loop (tools from ``--tools``, else ``tools.yaml`` beside the data, else
-the tools the rows name), runs one step with :func:`~tailcut.rollout.scheduler.run_step`,
+the tools the rows name) — or, with ``--workload``, plays a bench workload's trajectories
+on the model (each turn exactly its scripted number of sampled tokens, its tool's latency
+and answer: the lengths of a real run's long tail on any model, a random-init one too) —
+runs one step with :func:`~tailcut.rollout.scheduler.run_step`,
 and prints what happened: completed / aborted / failed, wasted tokens, tokens generated
 after an abort, KV blocks still in use, step and cut times, rewards, and the tail of the
 step as ``tailcut report`` shows it (read back from the step's trace).
@@ -27,7 +30,7 @@ from tailcut.rollout.cutoff import POLICIES
 class RolloutOptions:
     engine: str
     model: str
-    data: Path
+    data: Path | None
     requests: int
     policy: str
     group_size: int = 1
@@ -43,6 +46,7 @@ class RolloutOptions:
     max_batch_size: int = 64
     abort_deadline_s: float = 5.0
     seed: int = 0
+    workload: str | None = None
 
 
 def make_samples(rows: list[Any], n_launch: int, group_size: int, seed: int) -> list[Any]:
@@ -67,6 +71,7 @@ def make_toolset(opts: RolloutOptions, rows: list[Any]) -> Any:
     """``--tools``, else ``tools.yaml`` beside the data, else the registered tools the rows name."""
     from tailcut.tools.registry import TOOLS, load_tool_config, tools_by_name
 
+    assert opts.data is not None
     path = opts.tools or (opts.data.parent / "tools.yaml")
     if opts.tools is not None or path.is_file():
         return load_tool_config(path)
@@ -81,20 +86,29 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     from tailcut.reward.registry import RewardFn
     from tailcut.rollout.cutoff import make_policy
     from tailcut.rollout.scheduler import run_step
+    from tailcut.rollout.scripted import ScriptedRollout
     from tailcut.trace.events import Tracer
 
     path = model_dir(opts.model)
-    prompts = load_prompts(opts.data)
     cutoff = CutoffConfig(
         policy=opts.policy, abort_ratio=opts.abort_ratio,
         over_provision=opts.over_provision, deadline_s=opts.deadline_s,
     )  # fmt: skip
     policy = make_policy(cutoff, opts.requests, opts.group_size)
-    samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
     reward = RewardFn()
-    no_reward = reward.unscorable(r.data_source for r in prompts.rows)
-    agent = _agent_loop(opts, path, make_toolset(opts, prompts.rows), None if no_reward else reward)
-    engine = engine_for(_engine_config(opts, path), path)
+    max_seq_len = None
+    if opts.workload is not None:
+        samples, max_seq_len = workload_samples(opts, path, policy.n_launch)
+        agent: Any = ScriptedRollout(temperature=opts.temperature)
+        no_reward: str | None = f"workload {opts.workload}: scripted turns have no reward"
+    else:
+        assert opts.data is not None
+        prompts = load_prompts(opts.data)
+        samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
+        no_reward = reward.unscorable(r.data_source for r in prompts.rows)
+        toolset = make_toolset(opts, prompts.rows)
+        agent = _agent_loop(opts, path, toolset, None if no_reward else reward)
+    engine = engine_for(_engine_config(opts, path, max_seq_len), path)
     loop = asyncio.get_running_loop()
     try:
         with Tracer.for_step(trace_dir, 0, 0, clock=loop.time) as tracer:
@@ -107,6 +121,26 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         await engine.aclose()
         await reward.aclose()
     return summarize(opts, path, result, stats, left, no_reward)
+
+
+def workload_samples(opts: RolloutOptions, path: Path, n: int) -> tuple[list[Any], int]:
+    """``n`` samples playing ``opts.workload``'s first step (groups of ``opts.group_size``)
+    and the sequence length the longest of them needs. Prompt tokens are ids the model's
+    tokenizer has (a random-init model with a larger head samples only those rows too)."""
+    from tailcut.bench.workloads import get_workload
+    from tailcut.bench.workloads import make_samples as play
+    from tailcut.engine.hf.load import tokenizer_rows
+    from tailcut.types import token_array
+
+    assert opts.workload is not None
+    trajectories = get_workload(opts.workload, opts.seed).trajectories(0, n, opts.group_size)
+    samples = play(trajectories)
+    rows = tokenizer_rows(str(path)) or 256
+    for s, t in zip(samples, trajectories, strict=True):
+        s.prompt_ids = token_array([1 + t.group % (rows - 1)]) * t.prompt_tokens
+    longest = max(t.prompt_tokens + sum(k.output_tokens + k.tool_tokens for k in t.turns)
+                  for t in trajectories)  # fmt: skip
+    return samples, longest + 8
 
 
 def _agent_loop(opts: RolloutOptions, path: Path, toolset: Any, reward: Any) -> Any:
@@ -122,13 +156,15 @@ def _agent_loop(opts: RolloutOptions, path: Path, toolset: Any, reward: Any) -> 
     return AgentLoop(tokenizer, cfg, toolset=toolset, reward_fn=reward)
 
 
-def _engine_config(opts: RolloutOptions, path: Path) -> Any:
+def _engine_config(opts: RolloutOptions, path: Path, max_seq_len: int | None = None) -> Any:
     from tailcut.config import EngineConfig, HFEngineConfig
 
+    hf = HFEngineConfig(seed=opts.seed)
+    if max_seq_len is not None and max_seq_len > hf.max_seq_len:
+        hf = HFEngineConfig(seed=opts.seed, max_seq_len=max_seq_len)
     return EngineConfig(
         kind=opts.engine, model=str(path), urls=list(opts.urls), device=opts.device,
-        max_batch_size=opts.max_batch_size, abort_deadline_s=opts.abort_deadline_s,
-        hf=HFEngineConfig(seed=opts.seed),
+        max_batch_size=opts.max_batch_size, abort_deadline_s=opts.abort_deadline_s, hf=hf,
     )  # fmt: skip
 
 
@@ -148,7 +184,7 @@ def summarize(
     return {
         "engine": opts.engine,
         "model": str(model_dir),
-        "data": str(opts.data),
+        "data": str(opts.data) if opts.workload is None else f"workload {opts.workload}",
         "policy": opts.policy,
         "requests": opts.requests,
         "launched": len(result.samples),
@@ -215,7 +251,17 @@ def render_summary(summary: dict[str, Any]) -> Any:
 ENGINES = [k for k in ENGINE_REGISTRY if k != "sim"]
 """Engines a rollout step runs on (the simulated engine plays workloads: ``tailcut bench``)."""
 
-Data = Annotated[Path, typer.Option(help="verl-format parquet file with the prompts.")]
+Data = Annotated[
+    Path | None, typer.Option(help="verl-format parquet file with the prompts (or --workload).")
+]
+WorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload",
+        help="Play this bench workload's trajectories (e.g. seed-gsm8k) instead of --data: "
+        "scripted turn lengths, tool latencies and answers, on the real engine.",
+    ),
+]
 EngineOpt = Annotated[str, typer.Option(help=f"Engine: {', '.join(ENGINES)}.")]
 Model = Annotated[str, typer.Option(help="'builtin' or a Hugging Face model directory.")]
 Requests = Annotated[
@@ -257,13 +303,13 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the summary and the 
 
 
 def rollout(
-    data: Data, engine: EngineOpt = "hf", model: Model = "builtin", requests: Requests = 64,
+    data: Data = None, engine: EngineOpt = "hf", model: Model = "builtin", requests: Requests = 64,
     policy: Policy = "target-count", group_size: GroupSize = 1, abort_ratio: AbortRatio = 0.1,
     over_provision: OverProvision = 0.1, deadline_s: DeadlineS = None, tools: Tools = None,
     url: Urls = None, device: Device = "auto", max_turns: MaxTurns = 12,
     max_new_tokens: MaxNewTokens = 128, temperature: Temperature = 1.0,
     max_batch_size: MaxBatch = 64, seed: Seed = 0, trace_dir: TraceDir = None,
-    as_json: AsJson = False,
+    as_json: AsJson = False, workload: WorkloadOpt = None,
 ) -> None:  # fmt: skip
     """Run one over-sampled multi-turn rollout step on a real model and print how it went."""
     if policy not in POLICIES:
@@ -274,11 +320,13 @@ def rollout(
         raise typer.BadParameter(
             f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine"
         )
+    if (data is None) == (workload is None):
+        raise typer.BadParameter("give one of --data or --workload", param_hint="--data")
     opts = RolloutOptions(
         engine=engine, model=model, data=data, requests=requests, policy=policy, group_size=group_size,
         abort_ratio=abort_ratio, over_provision=over_provision, deadline_s=deadline_s, tools=tools,
         urls=tuple(url or ()), device=device, max_turns=max_turns, max_new_tokens=max_new_tokens,
-        temperature=temperature, max_batch_size=max_batch_size, seed=seed,
+        temperature=temperature, max_batch_size=max_batch_size, seed=seed, workload=workload,
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tailcut-rollout-") as tmp:
         where = trace_dir or Path(tmp)
