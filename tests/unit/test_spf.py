@@ -66,6 +66,29 @@ def test_progress_and_need_ratio_change_who_is_held():
     assert late.cap == 4 and all(late.may_enter(i) for i in range(4))
 
 
+def test_release_lets_in_the_held_ones_now_allowed_in_the_order_they_were_held():
+    spf = _start({i: float(10 * (i + 1)) for i in range(6)}, n_keep=3)  # cap 3 + 1
+    spf.hold(5)
+    spf.hold(4)
+    assert spf.release() == []
+    for i in (0, 1, 2):
+        spf.on_done(i, usable=True, tokens=1)  # own share done: everyone allowed
+    assert spf.release() == [5, 4]
+    assert spf.release() == []
+
+
+def test_a_held_one_whose_prediction_drops_is_released_and_a_cut_one_never():
+    spf = _start({i: float(10 * (i + 1)) for i in range(6)}, n_keep=3)
+    spf.hold(4)
+    spf.hold(5)
+    spf.unhold(4)  # cut while held
+    spf.on_turn_end(5, tokens_so_far=55)  # 5 left: among the least now
+    assert spf.release() == [5]
+    for i in (0, 1, 2):
+        spf.on_done(i, usable=True, tokens=1)
+    assert spf.release() == []
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         ShortestPredictedFirst(margin=1.5)

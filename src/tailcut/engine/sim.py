@@ -164,6 +164,10 @@ class SimEngine(BaseEngine):
         equal priorities."""
         self._prioritized = False
         """Some request carried a priority (only then does a running one get preempted)."""
+        self._by_priority: list[tuple[int, int, _Seq]] = []
+        """Once prioritized: running requests, a heap by (−priority, −arrival), worst
+        first (the next to preempt). A preempted one leaves it at once; entries of ended
+        ones are dropped lazily."""
         self.preemptions = 0
         """Running requests paused for a request of better priority."""
         self._n_waiting = 0
@@ -319,7 +323,8 @@ class SimEngine(BaseEngine):
         ordinal = self._arrivals
         self._arrivals += 1
         prio = 0 if sp.priority is None else sp.priority
-        self._prioritized = self._prioritized or sp.priority is not None
+        if sp.priority is not None and not self._prioritized:
+            self._prioritize()
         hang = lose = False
         if self._faulty:
             f = self.faults
@@ -539,7 +544,31 @@ class SimEngine(BaseEngine):
             if seq.lost_abort_step == -1:  # its abort was lost while it waited
                 seq.lost_abort_step = step
             heapq.heappush(self._heap, (seq.finish, seq.ordinal, seq))
+            if self._prioritized:
+                self._push_running(seq)
         return prompt_tokens
+
+    def _prioritize(self) -> None:
+        """The first request with a priority: from now on running ones can be preempted."""
+        self._prioritized = True
+        for seq in self._live.values():
+            if seq.state == _State.RUNNING:
+                self._push_running(seq)
+
+    def _push_running(self, seq: _Seq) -> None:
+        heap = self._by_priority
+        if len(heap) > 2 * self._n_running + 64:  # mostly ended ones: keep it O(running)
+            heap[:] = [e for e in heap if e[2].state == _State.RUNNING]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (-seq.prio, -seq.ordinal, seq))
+
+    def _worst_running(self) -> _Seq | None:
+        """The running request of worst priority (the latest to arrive among equals): the
+        top of :attr:`_by_priority`."""
+        heap = self._by_priority
+        while heap and heap[0][2].state != _State.RUNNING:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
 
     def _preempt_for(self, seq: _Seq, step: int, kv_ok: bool) -> bool:
         """Pause the running request of worst priority if it is worse than ``seq``'s and
@@ -547,14 +576,10 @@ class SimEngine(BaseEngine):
         keep = self.config.preemption == "keep"
         if not self._prioritized or (keep and not kv_ok):
             return False
-        victim = None
-        for other in self._live.values():
-            if other.state == _State.RUNNING and (
-                victim is None or (other.prio, other.ordinal) > (victim.prio, victim.ordinal)
-            ):
-                victim = other
+        victim = self._worst_running()
         if victim is None or victim.prio <= seq.prio:
             return False
+        heapq.heappop(self._by_priority)
         victim.base += min(step - victim.start, victim.n - victim.base)
         victim.state, victim.start, victim.finish = _State.WAITING, -1, NEVER
         self._n_running -= 1
@@ -597,6 +622,7 @@ class SimEngine(BaseEngine):
         self._live.clear()
         self._waiting.clear()
         self._heap.clear()
+        self._by_priority.clear()
         self._n_running = self._n_waiting = self._kv_used = self._blocks_used = 0
         for seq in live:
             seq.state = _State.DONE

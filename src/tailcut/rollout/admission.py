@@ -48,6 +48,7 @@ class Admission:
         self.schedule = schedule
         self.stamp_priority = stamp_priority
         self._held: dict[int, asyncio.Future[None]] = {}
+        """Engine calls waiting at the gate, in arrival order (a released one leaves it)."""
         self.held_calls = 0
         """Engine calls that had to wait in this step."""
 
@@ -81,10 +82,12 @@ class Admission:
             self.held_calls += 1
             fut = asyncio.get_running_loop().create_future()
             self._held[index] = fut
+            self.schedule.hold(index)
             try:
                 await fut
             finally:
-                self._held.pop(index, None)
+                if self._held.pop(index, None) is not None:  # cut while held
+                    self.schedule.unhold(index)
         if not self.stamp_priority:
             return request
         sampling = dataclasses.replace(request.sampling, priority=self.schedule.priority(index))
@@ -102,9 +105,8 @@ class Admission:
     def _release(self) -> None:
         if not self._held:
             return
-        for index, fut in list(self._held.items()):
-            if not fut.done() and self.schedule.may_enter(index):
-                fut.set_result(None)
+        for index in self.schedule.release():
+            self._held.pop(index).set_result(None)
 
 
 class _GatedEngine(EngineView):

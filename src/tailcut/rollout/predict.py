@@ -139,6 +139,8 @@ class LengthPredictor:
     _pairs: deque[tuple[float, float]] = field(default_factory=deque)
     _fits: dict[int, _Fit] = field(default_factory=dict)
     """Turns done → the fit of log total on (log tokens so far, prompt level)."""
+    _history_weight: float = 0.0
+    """:attr:`history_weight`, measured again whenever the pairs change (at a step's end)."""
     # This step: each launched trajectory's prompt and group, and finished siblings.
     _key: dict[int, object] = field(default_factory=dict)
     _group: dict[int, int] = field(default_factory=dict)
@@ -176,6 +178,9 @@ class LengthPredictor:
         """How much a prompt's past epochs count, relative to this step's siblings: the
         squared correlation of a prompt's mean log length in one epoch and the next,
         measured on the prompts seen twice (0 until enough were)."""
+        return self._history_weight
+
+    def _measure_history_weight(self) -> float:
         if len(self._pairs) < 8:
             return 0.0
         xs = [a for a, _ in self._pairs]
@@ -264,6 +269,7 @@ class LengthPredictor:
             hist = self._history.setdefault(key, _Moments())
             for x in xs:
                 hist.add(x)
+        self._history_weight = self._measure_history_weight()
 
     def _learn_progress(
         self, samples: Sequence[Sample], groups: dict[int, list[float]], level: float

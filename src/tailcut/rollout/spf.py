@@ -23,6 +23,8 @@ engines with priority scheduling get (vLLM, SGLang, the simulated engine).
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -73,6 +75,12 @@ class ShortestPredictedFirst:
         self._extra = 1
         self.first_prediction: dict[int, float] = {}
         """Each trajectory's prediction at launch (for the accuracy figures)."""
+        self._held: dict[int, int] = {}
+        """Trajectories held at the gate → when they were held (an increasing count)."""
+        self._held_heap: list[tuple[float, int, int]] = []
+        """(prediction, when held, index) of the held ones, least first; an entry whose
+        prediction changed since or whose trajectory left is dropped when it comes up."""
+        self._hold_count = itertools.count()
 
     # ------------------------------------------------------------------ the step
 
@@ -91,6 +99,7 @@ class ShortestPredictedFirst:
         self.first_prediction = dict(self._pred)
         self._live = set(self._pred)
         self._sorted = sorted(self._pred.values())
+        self._held, self._held_heap = {}, []
 
     def _set(self, index: int, pred: float) -> None:
         old = self._pred[index]
@@ -98,6 +107,8 @@ class ShortestPredictedFirst:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
             bisect.insort(self._sorted, pred)
             self._pred[index] = pred
+            if index in self._held:
+                heapq.heappush(self._held_heap, (pred, self._held[index], index))
 
     def on_turn_end(self, index: int, tokens_so_far: int, turns_done: int = 1) -> None:
         """Trajectory ``index`` has generated ``tokens_so_far`` tokens in ``turns_done``
@@ -112,6 +123,7 @@ class ShortestPredictedFirst:
         if index not in self._live:
             return
         self._live.discard(index)
+        self._held.pop(index, None)
         del self._sorted[bisect.bisect_left(self._sorted, self._pred[index])]
         if usable:
             self._need -= 1
@@ -150,6 +162,29 @@ class ShortestPredictedFirst:
         if index not in self._live:
             return True  # not ours to hold (finished, or never launched in this step)
         return self._pred[index] <= self.threshold
+
+    def hold(self, index: int) -> None:
+        """Trajectory ``index`` (live, not allowed in) waits for :meth:`release`."""
+        when = self._held[index] = next(self._hold_count)
+        heapq.heappush(self._held_heap, (self._pred[index], when, index))
+
+    def unhold(self, index: int) -> None:
+        """Trajectory ``index`` stopped waiting without a release (it was cut)."""
+        self._held.pop(index, None)
+
+    def release(self) -> list[int]:
+        """The held trajectories that :meth:`may_enter` now, in the order they were held;
+        they are held no more. Only those up to the threshold are looked at."""
+        heap, held, pred = self._held_heap, self._held, self._pred
+        threshold = self.threshold
+        out = []
+        while heap and heap[0][0] <= threshold:
+            p, when, index = heapq.heappop(heap)
+            if held.get(index) == when and pred[index] == p:
+                del held[index]
+                out.append((when, index))
+        out.sort()
+        return [index for _, index in out]
 
     def priority(self, index: int) -> int:
         """Predicted remaining tokens of ``index``, rounded: lower runs first."""
