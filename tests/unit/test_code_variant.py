@@ -30,6 +30,7 @@ def test_variants_the_cli_and_the_specs_agree():
         "code": "code",
         "qwen2-0.5b": "arith",  # random-init size presets: the arithmetic task's tokenizer
         "qwen2-1.5b": "arith",
+        "qwen2-3b": "arith",
     }
     assert build.VARIANTS["arith"] == build.ModelRecipe()
 

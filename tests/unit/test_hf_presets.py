@@ -31,7 +31,8 @@ def small_dir(tmp_path_factory: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("variant", "params"), [("qwen2-0.5b", 494_032_768), ("qwen2-1.5b", 1_543_714_304)]
+    ("variant", "params"),
+    [("qwen2-0.5b", 494_032_768), ("qwen2-1.5b", 1_543_714_304), ("qwen2-3b", 3_085_938_688)],
 )
 def test_the_presets_have_the_qwen2_geometry_and_vocabulary(variant: str, params: int) -> None:
     recipe = build.VARIANTS[variant]

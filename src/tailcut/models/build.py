@@ -154,7 +154,7 @@ VARIANTS: dict[str, ModelRecipe] = {
         strict_share=(0.8, 0.25), strict_items=2, train_problems=12000, steps=700,
         batch_size=16, eval_problems=192,
     ),
-    # Qwen2-0.5B / Qwen2-1.5B geometry (tied embeddings, 151,936 rows), random weights
+    # Qwen2-0.5B / Qwen2-1.5B / Qwen2.5-3B geometry (tied embeddings, 151,936 rows), random weights
     "qwen2-0.5b": ModelRecipe(
         random_init=True, vocab_size=151_936, hidden_size=896, intermediate_size=4864,
         num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=32_768,
@@ -163,6 +163,11 @@ VARIANTS: dict[str, ModelRecipe] = {
     "qwen2-1.5b": ModelRecipe(
         random_init=True, vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
         num_layers=28, num_heads=12, num_kv_heads=2, max_position_embeddings=32_768,
+        init_std=0.02,
+    ),
+    "qwen2-3b": ModelRecipe(
+        random_init=True, vocab_size=151_936, hidden_size=2048, intermediate_size=11008,
+        num_layers=36, num_heads=16, num_kv_heads=2, max_position_embeddings=32_768,
         init_std=0.02,
     ),
 }  # fmt: skip

@@ -29,10 +29,11 @@ BUILTINS: dict[str, str] = {
     "builtin-code": "code",
     "builtin-qwen2-0.5b": "qwen2-0.5b",
     "builtin-qwen2-1.5b": "qwen2-1.5b",
+    "builtin-qwen2-3b": "qwen2-3b",
 }
 """Built-in model specs → their variant (``models/build.VARIANTS``): ``builtin`` is the
 default (calculator calls), ``builtin-code`` the code-interpreter variant;
-``builtin-qwen2-0.5b`` / ``-1.5b`` are random-init Qwen2-0.5B / 1.5B geometries with the
+``builtin-qwen2-0.5b`` / ``-1.5b`` / ``-3b`` are random-init Qwen2-0.5B / 1.5B / Qwen2.5-3B geometries with the
 151,936-row vocabulary and the built-in tokenizer on its first rows (sampling is masked to
 them, ``engine.hf.vocab_rows``)."""
 BUILD_INFO = "tailcut_build.json"

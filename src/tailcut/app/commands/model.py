@@ -18,7 +18,7 @@ model_app = typer.Typer(
     help="Build and locate the built-in tiny models (default: calculator; code: code interpreter).",
     no_args_is_help=True,
 )
-VARIANT_NAMES = ("arith", "code", "qwen2-0.5b", "qwen2-1.5b")
+VARIANT_NAMES = ("arith", "code", "qwen2-0.5b", "qwen2-1.5b", "qwen2-3b")
 """``--variant`` choices: the keys of ``models/build.VARIANTS``."""
 
 
@@ -89,8 +89,8 @@ def init(
         typer.Option(
             help="arith: SFT on calculator calls (model spec 'builtin'); code: on "
             "code_interpreter calls for DAPO-layout problems ('builtin-code'); qwen2-0.5b, "
-            "qwen2-1.5b: random-init Qwen2 sizes with a 151,936-row vocabulary and the "
-            "built-in tokenizer ('builtin-qwen2-0.5b', 'builtin-qwen2-1.5b')."
+            "qwen2-1.5b, qwen2-3b: random-init Qwen2 sizes with a 151,936-row vocabulary and "
+            "the built-in tokenizer ('builtin-qwen2-0.5b', '-1.5b', '-3b')."
         ),
     ] = "arith",
 ) -> None:
