@@ -117,3 +117,38 @@ def test_bad_input_is_named(setup, args, message):
     result = CliRunner().invoke(app, ["rollout", *flat, "--requests", "2"])
     assert result.exit_code != 0
     assert message in result.output
+
+
+def _workload_run(model, *extra):
+    result = _run(["--model", str(model), "--workload", "seed-gsm8k", "--json", *extra])
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def test_a_workload_plays_its_trajectories_on_the_model(setup):
+    """Each trajectory's turns are sampled to exactly their scripted lengths (EOS ignored)
+    on the real engine, groups as the workload draws them."""
+    from tailcut.bench.workloads import get_workload
+
+    model, _ = setup
+    out = _workload_run(model, "--requests", "3", "--group-size", "1", "--policy", "wait-all")
+    trajectories = get_workload("seed-gsm8k", 0).trajectories(0, 3, 1)
+    assert (out["launched"], out["kept"], out["failed"]) == (3, 3, 0), out["errors"]
+    assert out["generated_tokens"] == sum(t.output_tokens for t in trajectories)
+    assert out["mean_turns_kept"] == sum(len(t.turns) for t in trajectories) / 3
+    assert out["data"] == "workload seed-gsm8k" and out["reward_mean_kept"] is None
+
+
+def test_a_workload_step_is_cut_like_any_other(setup):
+    model, _ = setup
+    out = _workload_run(model, "--requests", "4", "--group-size", "2", "--policy", "target-count",
+                        "--abort-ratio", "0.5")  # fmt: skip
+    assert (out["launched"], out["kept"], out["aborted"]) == (4, 2, 2)
+    assert out["tokens_after_abort"] == 0 and out["in_flight_after"] == 0
+
+
+def test_data_and_workload_are_one_or_the_other(setup):
+    model, data = setup
+    for args in (["--data", str(data), "--workload", "seed-gsm8k"], []):
+        result = CliRunner().invoke(app, ["rollout", "--model", str(model), *args])
+        assert result.exit_code == 2
+        assert "give one of --data or --workload" in result.output
