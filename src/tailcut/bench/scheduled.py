@@ -10,7 +10,9 @@ between it and ``spf+target-count`` is what the predictor's information costs an
 between it and the oracle is what the mechanism itself leaves.
 
 Figures: ``bias_length`` (mean true output length of the kept samples over that of every
-launched one: below 1, the cut keeps the short ones) and ``prediction_spearman`` (rank
+launched one: below 1, the cut keeps the short ones), ``bias_reward`` (the audited reward
+bias: mean reward of the kept samples minus that of every launched one, run uncut; above 0,
+the cut keeps the easy ones) and ``prediction_spearman`` (rank
 correlation of each trajectory's predicted remaining work at launch with its true length).
 """
 
@@ -116,6 +118,17 @@ def bias_length(pool: Sequence[Trajectory], kept: Iterable[int]) -> float:
     launched = sum(t.output_tokens for t in pool) / len(pool)
     mean_kept = sum(pool[i].output_tokens for i in kept) / len(kept)
     return mean_kept / launched if launched > 0 else math.nan
+
+
+def bias_reward(pool: Sequence[Trajectory], kept: Iterable[int]) -> float:
+    """The audited reward bias: mean reward of the kept samples minus that of every launched
+    one (the same trajectories run uncut: the audit). Above 0, the cut keeps the easier
+    samples; NaN where the workload carries no rewards."""
+    kept = list(kept)
+    if not pool or not kept or any(t.reward is None for t in pool):
+        return math.nan
+    launched = sum(t.reward or 0.0 for t in pool) / len(pool)
+    return sum(pool[i].reward or 0.0 for i in kept) / len(kept) - launched
 
 
 def prediction_spearman(admission: Admission, pool: Sequence[Trajectory]) -> float:

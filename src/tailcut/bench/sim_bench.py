@@ -38,6 +38,7 @@ from tailcut.bench.scheduled import (
     SCHEDULED,
     base_policy,
     bias_length,
+    bias_reward,
     learns,
     make_admission,
     play_history,
@@ -105,6 +106,7 @@ class StepFigures:
     cut_to_settled_ms: float | None
     abort_rounds: int
     bias_length: float = math.nan
+    bias_reward: float = math.nan
     prediction_spearman: float = math.nan
     held_calls: int = 0
 
@@ -130,6 +132,9 @@ class PolicyRow:
     kept: int
     bias_length: float = math.nan
     """Mean true output length of kept samples over that of all launched ones."""
+    bias_reward: float = math.nan
+    """The audited reward bias: mean reward of kept samples minus that of all launched ones
+    run uncut (the same trajectories; NaN: the workload has no rewards)."""
     prediction_spearman: float = math.nan
     """Scheduled policies: rank correlation of predictions at launch with the truth."""
     held_calls: int = 0
@@ -256,6 +261,7 @@ def measure_step(
         pools.record(len(pool), res)
     figs = _step_figures(name, step, res, engine_wasted, after_abort)
     figs.bias_length = bias_length(pool, res.kept)
+    figs.bias_reward = bias_reward(pool, res.kept)
     if admission is not None:
         figs.held_calls = admission.held_calls
         figs.prediction_spearman = prediction_spearman(admission, pool)
@@ -343,6 +349,7 @@ def aggregate(name: str, figs: Sequence[StepFigures], overhead: float | None) ->
         launched=sum(f.launched for f in figs),
         kept=kept,
         bias_length=sum(f.bias_length for f in figs) / n,
+        bias_reward=sum(f.bias_reward for f in figs) / n,
         prediction_spearman=sum(f.prediction_spearman for f in figs) / n,
         held_calls=sum(f.held_calls for f in figs),
     )

@@ -8,7 +8,8 @@ from a lengths file (JSONL, one request a line)::
     {"step": 0, "group": 3, "turns": [{"output_tokens": 412, "tool_s": 0.8}, ...]}
 
 ``step`` (default 0), ``group`` (default: the line's position // group size),
-``prompt_tokens`` and a turn's ``tool_s`` / ``tool_tokens`` are optional.
+``prompt_tokens``, ``reward`` (the trajectory's reward, for the audited reward bias) and a
+turn's ``tool_s`` / ``tool_tokens`` are optional.
 
 Generated workloads are deterministic in ``(seed, step)`` and prefix-stable: the first
 ``n`` trajectories of a step are the same whether ``n`` or more are asked for, so a policy
@@ -24,7 +25,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +55,9 @@ class Trajectory:
     step: int = 0
     prompt: int = -1
     """The prompt's identity across steps and epochs (-1: unknown; the group stands in)."""
+    reward: float | None = field(default=None, compare=False)
+    """The reward this trajectory earns when it completes (None: the workload has none).
+    Not part of equality: the same turns are the same trajectory."""
 
     @property
     def output_tokens(self) -> int:
@@ -206,6 +211,123 @@ def epoch_difficulty(p: TurnMixParams, seed: int, step: int, group: int, epoch: 
     return rho * z0 + math.sqrt(max(0.0, 1.0 - rho * rho)) * fresh
 
 
+# ---------------------------------------------------------------- rewards
+
+_REWARD_TAG = 104_729
+"""Seeds a group's reward draws apart from its trajectory draws (a stream of their own)."""
+_REWARD_CALIBRATION_SEED = 20_251_202
+"""The fixed reference draw a reward curve is fitted on (the same for every bench seed)."""
+
+
+@dataclass(frozen=True)
+class RewardParams:
+    """A binary (correct / incorrect) reward whose odds fall with the trajectory's length.
+
+    ``P(correct | L) = sigmoid(alpha - beta · ln L)``, with ``alpha`` and ``beta`` fitted on
+    a fixed reference draw of the workload so that the mean accuracy is ``accuracy`` and the
+    mean output length of incorrect trajectories over that of correct ones is
+    ``length_ratio`` (1: reward independent of length)."""
+
+    accuracy: float = 0.7
+    """Mean P(correct). An assumption, not a measurement: no published accuracy of the
+    reference run (Qwen2.5-3B, GSM8K multi-turn with a tool) is at hand; a mid-training
+    value of a small model on GSM8K."""
+    length_ratio: float = 2.25
+    """Mean length of incorrect trajectories over that of correct ones. Wang et al.,
+    "Thoughts Are All Over the Place: On the Underthinking of o1-Like LLMs"
+    (arXiv:2501.18585, 2025), Fig. 1-2 / introduction: incorrect responses of o1-like
+    models (QwQ-32B-Preview, DeepSeek-R1) use "225% more tokens" than correct ones on
+    MATH500, GPQA Diamond and AIME24. Read here as the weaker ×2.25 (the literal ×3.25
+    nearly makes correctness a length threshold on these workloads). Carrying a figure
+    measured on long-reasoning models and hard test sets over to a 3B model on GSM8K with a
+    tool is an assumption: it fixes the sign and a plausible strength of the effect, not
+    its exact value."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.accuracy < 1.0:
+            raise WorkloadError(f"reward accuracy must be in (0, 1), got {self.accuracy}")
+        if not self.length_ratio >= 1.0:
+            raise WorkloadError(f"reward length_ratio must be >= 1, got {self.length_ratio}")
+
+
+REWARD = RewardParams()
+"""The length-coupled reward of seed-gsm8k, skewed, outlier and strong-signal."""
+NO_REWARD_SIGNAL = replace(REWARD, length_ratio=1.0)
+"""no-signal's reward: the same accuracy, independent of length (nothing to bias)."""
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _incorrect_over_correct(log_len: np.ndarray, alpha: float, beta: float) -> float:
+    p = _sigmoid(alpha - beta * log_len)
+    length = np.exp(log_len)
+    right = float((p * length).sum() / p.sum())
+    wrong = float(((1.0 - p) * length).sum() / (1.0 - p).sum())
+    return wrong / right
+
+
+def _alpha_for(log_len: np.ndarray, beta: float, accuracy: float) -> float:
+    """The intercept giving mean P(correct) = ``accuracy`` at slope ``beta`` (bisection)."""
+    lo, hi = -200.0, 200.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if float(_sigmoid(mid - beta * log_len).mean()) < accuracy:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@lru_cache(maxsize=32)
+def reward_curve(reward: RewardParams, params: TurnMixParams) -> tuple[float, float]:
+    """``(alpha, beta)`` of ``reward`` on the lengths ``params`` draws (a fixed reference
+    draw of 4,096 trajectories, epoch 0, independent of the bench's seed)."""
+    if reward.length_ratio == 1.0:
+        return math.log(reward.accuracy / (1.0 - reward.accuracy)), 0.0
+    trajs: list[Trajectory] = []
+    for g in range(256):
+        rng = np.random.default_rng([_REWARD_CALIBRATION_SEED, 0, g])
+        trajs.extend(generate_group(params, rng, 16, g, 0))
+    log_len = np.log(np.maximum([t.output_tokens for t in trajs], 1).astype(float))
+    log_len = log_len - log_len.mean()  # centred: alpha stays near logit(accuracy)
+    lo, hi = 0.0, 1.0
+    while _incorrect_over_correct(log_len, _alpha_for(log_len, hi, reward.accuracy), hi) < (
+        reward.length_ratio
+    ):
+        lo, hi = hi, hi * 2
+        if hi > 1e3:
+            raise WorkloadError(
+                f"reward length_ratio {reward.length_ratio} is out of reach at accuracy "
+                f"{reward.accuracy} on these lengths (even a length threshold falls short)"
+            )
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        ratio = _incorrect_over_correct(log_len, _alpha_for(log_len, mid, reward.accuracy), mid)
+        lo, hi = (mid, hi) if ratio < reward.length_ratio else (lo, mid)
+    beta = (lo + hi) / 2
+    alpha = _alpha_for(log_len, beta, reward.accuracy)
+    centre = float(np.log(np.maximum([t.output_tokens for t in trajs], 1)).mean())
+    return alpha + beta * centre, beta  # in terms of the raw ln L
+
+
+def draw_rewards(
+    reward: RewardParams, params: TurnMixParams, group: list[Trajectory], key: list[int]
+) -> list[Trajectory]:
+    """The group with each member's reward drawn: correct (1.0) with
+    ``P = sigmoid(alpha - beta · ln L)`` of its own output length ``L``, from the RNG
+    stream ``key`` + a tag of its own (the trajectory draws are untouched)."""
+    alpha, beta = reward_curve(reward, params)
+    rng = np.random.default_rng([*(k % 2**32 for k in key), _REWARD_TAG])
+    u = rng.random(len(group))
+    out = []
+    for t, ui in zip(group, u, strict=True):
+        p = 1.0 / (1.0 + math.exp(-(alpha - beta * math.log(max(t.output_tokens, 1)))))
+        out.append(replace(t, reward=1.0 if ui < p else 0.0))
+    return out
+
+
 @dataclass(frozen=True)
 class GeneratedWorkload:
     """A workload drawn group by group from ``params`` (prefix-stable, seeded per group)."""
@@ -215,6 +337,9 @@ class GeneratedWorkload:
     seed: int = 0
     modify: Callable[[int, int, list[Trajectory]], list[Trajectory]] | None = None
     """Optional per-(step, group) rewrite, e.g. to inject outliers."""
+    reward: RewardParams | None = None
+    """How a trajectory's reward is drawn (None: no rewards); from its own RNG stream, so
+    the trajectories are those of a workload without rewards."""
 
     def trajectories(self, step: int, n: int, group_size: int, epoch: int = 0) -> list[Trajectory]:
         if n < 0 or group_size < 1:
@@ -230,6 +355,8 @@ class GeneratedWorkload:
                 group = generate_group(self.params, rng, group_size, g, step, z)
             if self.modify is not None:
                 group = self.modify(step, g, group)
+            if self.reward is not None:
+                group = draw_rewards(self.reward, self.params, group, [self.seed, step, g, epoch])
             out.extend(group)
         return out[:n]
 
@@ -302,20 +429,27 @@ STRONG_SIGNAL = replace(
 """The strong end: lengths are mostly the prompt's and persist across epochs."""
 
 WORKLOADS: dict[str, Callable[[int], Workload]] = {
-    "seed-gsm8k": lambda seed: GeneratedWorkload("seed-gsm8k", SEED_GSM8K, seed),
-    "skewed": lambda seed: GeneratedWorkload("skewed", SEED_GSM8K, seed, _skew),
+    "seed-gsm8k": lambda seed: GeneratedWorkload("seed-gsm8k", SEED_GSM8K, seed, reward=REWARD),
+    "skewed": lambda seed: GeneratedWorkload("skewed", SEED_GSM8K, seed, _skew, REWARD),
     "outlier": lambda seed: GeneratedWorkload(
-        "outlier", SEED_GSM8K, seed, _outlier_every(4, 150.0, 0.24)
+        "outlier", SEED_GSM8K, seed, _outlier_every(4, 150.0, 0.24), REWARD
     ),
-    "no-signal": lambda seed: GeneratedWorkload("no-signal", NO_SIGNAL, seed),
-    "strong-signal": lambda seed: GeneratedWorkload("strong-signal", STRONG_SIGNAL, seed),
+    "no-signal": lambda seed: GeneratedWorkload(
+        "no-signal", NO_SIGNAL, seed, reward=NO_REWARD_SIGNAL
+    ),
+    "strong-signal": lambda seed: GeneratedWorkload(
+        "strong-signal", STRONG_SIGNAL, seed, reward=REWARD
+    ),
 }
 """Named workloads. ``skewed``: a quarter of the prompts are 3× harder (per-group
 difficulty). ``outlier``: seed-gsm8k, but every 4th step a quarter of the requests hang
 150 s in a tool call. ``no-signal`` / ``strong-signal``: seed-gsm8k's turn mix and
 spread, with nothing / most of it shared by a prompt's members and epochs (the yardsticks
 of length-aware scheduling). seed-gsm8k's prompts keep their calibrated group spread and
-draw their difficulty afresh each epoch (``epoch_corr`` 0: no history signal is claimed)."""
+draw their difficulty afresh each epoch (``epoch_corr`` 0: no history signal is claimed).
+Rewards (:class:`RewardParams`): every workload's trajectories carry a 0/1 reward whose odds
+fall with the trajectory's length (:data:`REWARD`, the cited coupling), except no-signal's,
+drawn independently of length (:data:`NO_REWARD_SIGNAL`: no length/reward signal either)."""
 
 
 def get_workload(name: str, seed: int = 0) -> Workload:
@@ -329,7 +463,7 @@ def get_workload(name: str, seed: int = 0) -> Workload:
 
 # ---------------------------------------------------------------- lengths files
 
-_TOP_KEYS = {"step", "group", "prompt_tokens", "turns"}
+_TOP_KEYS = {"step", "group", "prompt_tokens", "turns", "reward"}
 _TURN_KEYS = {"output_tokens", "tool_s", "tool_tokens"}
 
 
@@ -376,7 +510,13 @@ def parse_lengths_record(raw: dict[str, Any], where: str) -> tuple[int, int | No
     group = None if "group" not in raw else _num(where, "group", raw["group"], int, 0)
     prompt = _num(where, "prompt_tokens", raw.get("prompt_tokens", 128), int, 1)
     specs = tuple(_parse_turn(where, k, t) for k, t in enumerate(turns))
-    return step, group, Trajectory(specs, group=group or 0, prompt_tokens=prompt, step=step)
+    reward = (
+        None
+        if raw.get("reward") is None
+        else _num(where, "reward", raw["reward"], float, -math.inf)
+    )
+    traj = Trajectory(specs, group=group or 0, prompt_tokens=prompt, step=step, reward=reward)
+    return step, group, traj
 
 
 def read_lengths_file(path: Path) -> dict[int, list[tuple[int | None, Trajectory]]]:
@@ -433,7 +573,11 @@ class LengthsFileWorkload:
                 g = first_new + (i - len(rows)) // group_size
             else:
                 g = i // group_size if group is None else group
-            out.append(Trajectory(t.turns, group=g, prompt_tokens=t.prompt_tokens, step=step))
+            out.append(
+                Trajectory(
+                    t.turns, group=g, prompt_tokens=t.prompt_tokens, step=step, reward=t.reward
+                )
+            )
         return out
 
 
@@ -445,7 +589,13 @@ def write_lengths_file(path: Path, trajectories: Sequence[Trajectory]) -> None:
                 {"output_tokens": u.output_tokens, "tool_s": u.tool_s, "tool_tokens": u.tool_tokens}
                 for u in t.turns
             ]
-            row = {"step": t.step, "group": t.group, "prompt_tokens": t.prompt_tokens}
+            row: dict[str, Any] = {
+                "step": t.step,
+                "group": t.group,
+                "prompt_tokens": t.prompt_tokens,
+            }
+            if t.reward is not None:
+                row["reward"] = t.reward
             fh.write(json.dumps({**row, "turns": turns}) + "\n")
 
 

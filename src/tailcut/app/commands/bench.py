@@ -326,9 +326,10 @@ CUT_COLUMNS: tuple[tuple[str, int], ...] = (
     ("overhead_us_per_request", 1),
 )  # fmt: skip
 SCHEDULE_COLUMNS: tuple[tuple[str, int], ...] = (
-    ("bias_length", 3), ("prediction_spearman", 3), ("held_calls", 0),
+    ("bias_length", 3), ("bias_reward", 4), ("prediction_spearman", 3), ("held_calls", 0),
 )  # fmt: skip
-"""Length-aware scheduling: kept/launched output length, predictor accuracy, calls held."""
+"""Length-aware scheduling: kept/launched output length, the audited reward bias (kept minus
+launched mean reward), predictor accuracy, calls held."""
 
 
 def _rows_table(title: str, columns: tuple[tuple[str, int], ...], report: BenchReport) -> Any:
