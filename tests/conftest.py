@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +50,14 @@ def build_chat_tokenizer(n_questions: int = 2000, vocab_size: int = 1500) -> Any
 def chat_tokenizer() -> Any:
     """Byte-level BPE (GSM8K questions) + ChatML/hermes template; built once per session."""
     return build_chat_tokenizer()
+
+
+@pytest.fixture
+def runs_dir() -> Iterator[Path]:
+    """A fresh run dir for the sandbox tests, others may enter (0755), outside pytest's
+    tmp_path; removed afterwards with the ``-src`` sibling a run may leave."""
+    path = Path(tempfile.mkdtemp(prefix="tailcut-sbx-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path.with_name(path.name + "-src"), ignore_errors=True)

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `fakes`
 
+from fakes.tiny_policy import tiny_policy
 from tailcut.algo.batch import TrainBatch, assemble, plan_rows
 from tailcut.train import checkpoint as ckpt
 from tailcut.train.actor import Actor
@@ -48,15 +49,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 def tiny_model(seed: int = 0) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg).float()
+    return tiny_policy(VOCAB, seed)
 
 
 def _sample(i: int, plen: int, mask: list[int], g: torch.Generator, **kw: Any) -> Sample:

@@ -1,10 +1,11 @@
 """Running the embedded engine on a small model in a test: one engine per call, closed
-afterwards, bounded in time; requests and prompts made up from a few numbers."""
+afterwards, bounded in time; requests and prompts made up from a few numbers; and the
+references it is checked against (``model.generate``, one plain forward pass)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from tailcut.config import HFEngineConfig
@@ -20,19 +21,24 @@ def run_engine(
     *,
     slots: int,
     buckets: bool = False,
+    eos_ids: Sequence[int] = (),
+    timeout_s: float = 60.0,
     **cfg: Any,
 ) -> T:
     """``body(engine)`` on a fresh engine over ``model`` (``max_seq_len`` 256 unless
-    ``cfg`` says otherwise); ``buckets``: the padded shapes CUDA graphs are captured for,
-    on the CPU."""
+    ``cfg`` says otherwise, no EOS unless given) within ``timeout_s``; ``buckets``: the
+    padded shapes CUDA graphs are captured for, on the CPU."""
 
     async def main() -> T:
         engine = HFEngine(
-            model, HFEngineConfig(**{"max_seq_len": 256, **cfg}), max_batch_size=slots, eos_ids=()
+            model,
+            HFEngineConfig(**{"max_seq_len": 256, **cfg}),
+            max_batch_size=slots,
+            eos_ids=eos_ids,
         )
         engine._worker._runner.decoder.buckets = buckets
         try:
-            async with asyncio.timeout(60):
+            async with asyncio.timeout(timeout_s):
                 return await body(engine)
         finally:
             await engine.aclose()
@@ -50,3 +56,26 @@ def fixed_request(prompt: list[int], n: int, prefix: str, **sp: Any) -> Generate
 def made_up_prompt(i: int, length: int, vocab: int, a: int, b: int) -> list[int]:
     """Prompt ``i`` of ``length`` ids in ``3 .. vocab-1`` (0-2: pad, bos, eos)."""
     return [3 + (i * a + j * b) % (vocab - 3) for j in range(length)]
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
+    """Exactly ``n`` greedy tokens after ``prompt_ids`` from ``model.generate`` (no EOS)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    result: list[int] = out[0, len(prompt_ids) :].tolist()
+    return result
+
+
+def full_forward_logits(model: Any, prompt_ids: list[int], output_ids: list[int]) -> Any:
+    """Logits predicting each output token, from one plain forward pass (no cache)."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fakes.turns_rollout import ContinuingTurns
 from fakes.vllm_cpu import VLLMServer, shared_server
 from tailcut.config import RemoteEngineConfig
 from tailcut.engine.vllm import VLLMEngine
@@ -121,28 +122,6 @@ def test_cancelling_the_caller_stops_the_request() -> None:
     run(body)
 
 
-class _Turns:
-    """Three engine calls per sample, each continuing the sequence (a multi-turn agent
-    without tool output): response tokens are all sampled, loss mask 1."""
-
-    def __init__(self, lengths: dict[int, int]) -> None:
-        self.lengths = lengths
-
-    async def __call__(self, sample: Sample, engine: Any, tracer: Tracer) -> None:
-        for _ in range(3):
-            req = _req(self.lengths[sample.index], sample.prompt_ids + sample.response_ids)
-            sample.active_request_id = req.request_id
-            result = await engine.generate(req)
-            sample.active_request_id = None
-            sample.response_ids.extend(result.output_ids)
-            sample.logprobs.extend(result.logprobs or [])
-            sample.loss_mask.extend([1] * len(result.output_ids))
-            if result.finish_reason is FinishReason.ABORT:
-                sample.finish_reason = FinishReason.ABORT
-                return
-        sample.finish_reason = FinishReason.STOP
-
-
 def _rescore(model_dir: Any, samples: list[Sample]) -> list[list[float]]:
     """Log-probs of each sample's response tokens under the model (HF, float32)."""
     import torch
@@ -164,9 +143,10 @@ def test_over_sampled_multi_turn_step_with_a_cut() -> None:
     async def body(engine: VLLMEngine, server: VLLMServer) -> None:
         lengths = {i: (8 if i < 6 else LONG // 3) for i in range(8)}
         samples = [Sample(index=i, group=i, prompt_ids=[40 + i, 41, 42, 43]) for i in range(8)]
+        turns = ContinuingTurns(lengths, ignore_eos=True)
         before = await engine.counters()
         result = await run_step(
-            engine, samples, _Turns(lengths), TargetCount(8, abort_ratio=0.25), Tracer(None, step=0)
+            engine, samples, turns, TargetCount(8, abort_ratio=0.25), Tracer(None, step=0)
         )
         assert await engine.in_flight() == []
         idle = await engine.counters()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fakes.scripted_engine import ScriptCall, ScriptedEngine, ramble
+from fakes.tiny_policy import tiny_policy
 from tailcut.chat.parser import format_tool_call
 from tailcut.config import AgentLoopConfig
 from tailcut.reward.registry import RewardFn
@@ -62,15 +63,7 @@ def prompts(n: int, offset: int = 0) -> list[dict[str, Any]]:
 
 
 def tiny_model(vocab: int, seed: int = 0) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg).float()
+    return tiny_policy(vocab, seed, max_positions=1024)
 
 
 def tiny_config(run_dir: Path, *overrides: str) -> TrainConfig:

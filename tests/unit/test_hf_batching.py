@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from fakes.hf_runs import fixed_request, made_up_prompt, run_engine  # noqa: E402
+from fakes.hf_runs import fixed_request, hf_greedy, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.graphs import batch_bucket, prefill_shape, width_bucket  # noqa: E402
 from tailcut.engine.hf.sampling import sample_tokens  # noqa: E402
@@ -47,16 +47,6 @@ def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
 
 def prompt(i: int, length: int) -> list[int]:
     return made_up_prompt(i, length, VOCAB, 53, 7)
-
-
-def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
-    result: list[int] = out[0, len(prompt_ids) :].tolist()
-    return result
 
 
 def test_buckets_cover_every_size_with_little_padding() -> None:

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tailcut.config import HFEngineConfig  # noqa: E402
+from fakes.hf_runs import full_forward_logits, hf_greedy, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.base import EngineError  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
@@ -64,19 +64,7 @@ def run(
     **cfg: Any,
 ) -> T:
     """Run ``body(engine)`` on a fresh engine (no EOS unless given) within ``timeout_s``."""
-    eos = cfg.pop("eos_ids", ())
-
-    async def main() -> T:
-        engine = HFEngine(
-            model, HFEngineConfig(**{"max_seq_len": 256, **cfg}), max_batch_size=slots, eos_ids=eos
-        )
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await body(engine)
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(main())
+    return run_engine(model, body, slots=slots, timeout_s=timeout_s, **cfg)
 
 
 def req(prompt: list[int], n: int = 8, **sp: Any) -> GenerateRequest:
@@ -84,7 +72,7 @@ def req(prompt: list[int], n: int = 8, **sp: Any) -> GenerateRequest:
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(length)]
+    return made_up_prompt(i, length, VOCAB, 37, 11)
 
 
 async def running_with_tokens(
@@ -97,24 +85,6 @@ async def running_with_tokens(
     await engine.generate(req(long.prompt_ids, tokens, ignore_eos=True))
     assert not task.done()
     return task
-
-
-def full_forward_logits(model: Any, prompt_ids: list[int], output_ids: list[int]) -> Any:
-    """Logits predicting each output token, from one plain forward pass (no cache)."""
-    ids = torch.tensor([prompt_ids + output_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
-
-
-def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
-    result: list[int] = out[0, len(prompt_ids) :].tolist()
-    return result
 
 
 # ── generation ──────────────────────────────────────────────────────────────────────

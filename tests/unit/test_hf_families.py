@@ -20,19 +20,20 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from fakes.hf_runs import (  # noqa: E402
+    fixed_request,
+    full_forward_logits,
+    hf_greedy,
+    made_up_prompt,
+    run_engine,
+)
 from hf_families import FAMILIES, WINDOW, tiny_config, tiny_model  # noqa: E402
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.attention import NAME  # noqa: E402
 from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
 from tailcut.engine.hf.support import UnsupportedModel, check_model_dir  # noqa: E402
-from tailcut.types import (  # noqa: E402
-    FinishReason,
-    GenerateRequest,
-    GenerateResult,
-    SamplingParams,
-    new_request_id,
-)
+from tailcut.types import FinishReason, GenerateRequest, GenerateResult  # noqa: E402
 
 T = TypeVar("T")
 VOCAB = 256
@@ -45,41 +46,15 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 
 def run(model: Any, body: Callable[[HFEngine], Awaitable[T]], *, slots: int = 4, **cfg: Any) -> T:
-    async def main() -> T:
-        engine = HFEngine(
-            model, HFEngineConfig(max_seq_len=128, **cfg), max_batch_size=slots, eos_ids=()
-        )
-        try:
-            async with asyncio.timeout(120):
-                return await body(engine)
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(main())
+    return run_engine(model, body, slots=slots, timeout_s=120, **{"max_seq_len": 128, **cfg})
 
 
 def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
-    sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, **sp)
-    return GenerateRequest(new_request_id("fam"), prompt, sampling)
+    return fixed_request(prompt, n, "fam", **sp)
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(length)]
-
-
-def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
-    return list(out[0, len(prompt_ids) :].tolist())
-
-
-def full_forward_logits(model: Any, prompt_ids: list[int], output_ids: list[int]) -> Any:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]
-    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
+    return made_up_prompt(i, length, VOCAB, 37, 11)
 
 
 # ── generation ──────────────────────────────────────────────────────────────────────

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from fakes.tiny_policy import tiny_policy
 from tailcut.algo.batch import TrainBatch, assemble, plan_rows
 from tailcut.algo.correction import rollout_correction
 from tailcut.algo.loss import LossNorm, PolicyLossSpec, ppo_clip_loss
@@ -21,18 +22,6 @@ from tailcut.train.config import ActorConfig, AlgoConfig, load_train_config
 from tailcut.types import FinishReason, Sample, Status
 
 VOCAB = 50
-
-
-def tiny_model(seed: int = 0) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg).float()
 
 
 def batch(n: int = 6, engine_lp: float | list[list[float]] = -1.0, seed: int = 0) -> TrainBatch:
@@ -59,7 +48,7 @@ def batch(n: int = 6, engine_lp: float | list[list[float]] = -1.0, seed: int = 0
 
 def actor(algo: AlgoConfig | None = None, **actor_kw: Any) -> Actor:
     cfg = ActorConfig(lr=1e-2, micro_batch_rows=4, **actor_kw)
-    return Actor(tiny_model(), cfg, algo or AlgoConfig(), norm_len=16, temperature=0.7)
+    return Actor(tiny_policy(VOCAB), cfg, algo or AlgoConfig(), norm_len=16, temperature=0.7)
 
 
 def params(a: Actor) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,14 +30,6 @@ pytestmark = [
 ]
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-@pytest.fixture
-def runs_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="tailcut-sbx-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Box:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,15 +32,6 @@ pytestmark = [
 
 T = TypeVar("T")
 LONG = "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
-
-
-@pytest.fixture
-def runs_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="tailcut-sbx-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-    shutil.rmtree(path.with_name(path.name + "-src"), ignore_errors=True)
 
 
 def wait_until(what: Callable[[], T], timeout_s: float = 15.0) -> T:

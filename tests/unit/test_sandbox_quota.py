@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +50,6 @@ print('sizes', [os.path.getsize(f'{where}f{{i}}') for i in range(count)])
 
 def writer(count: int, size: int, where: str = "") -> str:
     return WRITE_FILES.format(count=count, size=size, where=where)
-
-
-@pytest.fixture
-def runs_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="tailcut-sbx-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run(runs_dir: Path, code: str, mark: str, **cfg: Any) -> SandboxResult:

@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +19,6 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux"),
 ]
-
-
-@pytest.fixture
-def runs_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="tailcut-sbx-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def cli(runs_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fakes.sglang_server import FakeSGLangServer, tensors_checksum
+from fakes.tiny_policy import sync_actor, train_a_step
 from tailcut.config import RemoteEngineConfig
 from tailcut.engine.base import EngineError
 from tailcut.engine.sglang import GroupOptions, SGLangEngine
@@ -220,30 +221,6 @@ def test_our_group_interoperates_with_one_built_the_way_sglang_builds_it() -> No
 # -- the trainer's side: sync.method=distributed ------------------------------------------
 
 
-def actor() -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tailcut.train.actor import Actor
-    from tailcut.train.config import ActorConfig, AlgoConfig
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(cfg).float()
-    return Actor(model, ActorConfig(), AlgoConfig(), norm_len=16, device=torch.device("cpu"))
-
-
-def train_a_step(a: Any) -> None:
-    """Stand-in for ``actor.update``: new weights, version + 1."""
-    with torch.no_grad():
-        for p in a.model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    a.version += 1
-
-
 def test_distributed_sync_is_refused_where_the_engine_has_no_in_memory_path() -> None:
     from pydantic import ValidationError
 
@@ -267,7 +244,7 @@ def test_weight_sync_broadcasts_the_actor_and_names_the_step_and_server_on_failu
     from tailcut.train.weight_sync import WeightSync, tied_aliases
 
     async def body(a: FakeSGLangServer) -> None:
-        act = actor()
+        act = sync_actor()
         cfg = SyncConfig(method="distributed", master_address="127.0.0.1", timeout_s=3.0)
         sync = WeightSync(cfg, tmp_path)
         async with engine_for([a]) as engine:

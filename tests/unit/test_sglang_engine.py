@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from fakes.sglang_server import FakeFaults, FakeSGLangServer, fake_logprob, fake_servers, fake_token
+from fakes.turns_rollout import ContinuingTurns
 from tailcut.config import EngineConfig, RemoteEngineConfig
 from tailcut.engine.base import AbortNotConfirmed, EngineDied, EngineError
 from tailcut.engine.factory import make_engine
@@ -384,31 +385,6 @@ def test_factory_builds_each_kind_and_names_missing_urls() -> None:
         make_engine(EngineConfig(kind="sglang", urls=["127.0.0.1:30000"]))
 
 
-class _Turns:
-    """A rollout fn of up to three engine calls per sample (as a multi-turn agent makes)."""
-
-    def __init__(self, lengths: dict[int, int]) -> None:
-        self.lengths = lengths
-
-    async def __call__(self, sample: Sample, engine: Any, tracer: Tracer) -> None:
-        for _turn in range(3):
-            req = GenerateRequest(
-                new_request_id(),
-                sample.prompt_ids + sample.response_ids,
-                SamplingParams(max_new_tokens=self.lengths[sample.index]),
-            )
-            sample.active_request_id = req.request_id
-            result = await engine.generate(req)
-            sample.active_request_id = None
-            sample.response_ids.extend(result.output_ids)
-            sample.logprobs.extend(result.logprobs or [])
-            sample.loss_mask.extend([1] * len(result.output_ids))
-            if result.finish_reason is FinishReason.ABORT:
-                sample.finish_reason = FinishReason.ABORT
-                return
-        sample.finish_reason = FinishReason.STOP
-
-
 def test_over_sampled_step_with_a_cut_stops_every_straggler() -> None:
     async def body(*servers: FakeSGLangServer) -> None:
         lengths = {i: (5 if i < 6 else LONG) for i in range(8)}
@@ -417,7 +393,7 @@ def test_over_sampled_step_with_a_cut_stops_every_straggler() -> None:
             result = await run_step(
                 engine,
                 samples,
-                _Turns(lengths),
+                ContinuingTurns(lengths),
                 TargetCount(8, abort_ratio=0.25),
                 Tracer(None, step=0),
             )

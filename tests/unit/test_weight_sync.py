@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fakes.sglang_server import FakeSGLangServer, fake_servers, fake_token
+from fakes.tiny_policy import sync_actor, tiny_policy, train_a_step
 from tailcut.config import RemoteEngineConfig
 from tailcut.engine.base import EngineError
 from tailcut.engine.sglang import SGLangEngine
-from tailcut.train.actor import Actor
-from tailcut.train.config import ActorConfig, AlgoConfig, SyncConfig
+from tailcut.train.config import SyncConfig
 from tailcut.train.weight_sync import WeightSync, prune, save_policy, version_dir
 from tailcut.types import FinishReason, GenerateRequest, SamplingParams, new_request_id
 
@@ -25,30 +25,6 @@ pytestmark = pytest.mark.timeout(60)
 
 VOCAB = 64
 RID = "weights-probe-0000000000"  # fixed: same id, same weights => same fake tokens
-
-
-def tiny_model(seed: int = 0) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg).float()
-
-
-def actor() -> Actor:
-    return Actor(tiny_model(), ActorConfig(), AlgoConfig(), norm_len=16, device=torch.device("cpu"))
-
-
-def train_a_step(a: Actor) -> None:
-    """Stand-in for ``actor.update``: new weights, version + 1."""
-    with torch.no_grad():
-        for p in a.model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    a.version += 1
 
 
 def _engine(servers: list[FakeSGLangServer]) -> SGLangEngine:
@@ -78,7 +54,7 @@ def test_save_policy_writes_a_loadable_directory_with_the_tokenizer(tmp_path: Pa
     source.mkdir()
     (source / "tokenizer.json").write_text('{"fake": true}')
     (source / "tokenizer_config.json").write_text("{}")
-    model = tiny_model()
+    model = tiny_policy(VOCAB)
     path = save_policy(model, tmp_path / "weights", 3, source=source)
     assert path == version_dir(tmp_path / "weights", 3) and path.name == "v000003"
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v000003"]  # no temp left
@@ -95,7 +71,7 @@ def test_save_policy_in_bfloat16_keeps_tied_weights_once(tmp_path: Path) -> None
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    model = tiny_model()
+    model = tiny_policy(VOCAB)
     full = save_policy(model, tmp_path / "a", 1)
     half = save_policy(model, tmp_path / "b", 1, dtype="bfloat16")
     size = (half / "model.safetensors").stat().st_size
@@ -112,9 +88,9 @@ def test_saving_again_replaces_the_version_and_a_failed_save_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "weights"
-    save_policy(tiny_model(0), root, 2)
+    save_policy(tiny_policy(VOCAB, 0), root, 2)
     first = (root / "v000002" / "model.safetensors").read_bytes()
-    save_policy(tiny_model(1), root, 2)
+    save_policy(tiny_policy(VOCAB, 1), root, 2)
     assert (root / "v000002" / "model.safetensors").read_bytes() != first
 
     class Broken:
@@ -144,7 +120,7 @@ def test_prune_removes_only_old_versions_and_temp_dirs(tmp_path: Path) -> None:
 
 def test_sync_loads_each_version_on_every_server_and_tags_results(tmp_path: Path) -> None:
     async def body(*servers: FakeSGLangServer) -> None:
-        a = actor()
+        a = sync_actor()
         sync = WeightSync(SyncConfig(keep=1), tmp_path / "run")
         async with _engine(list(servers)) as engine:
             before = await engine.generate(_req(6, RID))
@@ -173,7 +149,7 @@ def test_sync_loads_each_version_on_every_server_and_tags_results(tmp_path: Path
 
 def test_same_weights_give_the_same_outputs_again(tmp_path: Path) -> None:
     async def body(server: FakeSGLangServer) -> None:
-        a = actor()
+        a = sync_actor()
         sync = WeightSync(SyncConfig(), tmp_path)
         async with _engine([server]) as engine:
             await sync(engine, a)
@@ -189,7 +165,7 @@ def test_same_weights_give_the_same_outputs_again(tmp_path: Path) -> None:
 
 def test_an_update_waits_for_running_requests_and_holds_new_ones(tmp_path: Path) -> None:
     async def body(server: FakeSGLangServer) -> None:
-        path = save_policy(tiny_model(), tmp_path, 1)
+        path = save_policy(tiny_policy(VOCAB), tmp_path, 1)
         async with _engine([server]) as engine:
             await engine.update_weights_from_disk(str(path), 0)
             running = asyncio.create_task(engine.generate(_req(40)))
@@ -209,7 +185,7 @@ def test_an_update_waits_for_running_requests_and_holds_new_ones(tmp_path: Path)
 
 def test_stragglers_are_aborted_before_loading(tmp_path: Path) -> None:
     async def body(server: FakeSGLangServer) -> None:
-        a = actor()
+        a = sync_actor()
         sync = WeightSync(SyncConfig(abort_in_flight=True), tmp_path)
         async with _engine([server]) as engine:
             straggler = asyncio.create_task(engine.generate(_req(100_000)))
@@ -227,7 +203,7 @@ def test_stragglers_are_aborted_before_loading(tmp_path: Path) -> None:
 def test_a_failed_load_names_the_server_and_keeps_the_version(tmp_path: Path) -> None:
     async def body(good: FakeSGLangServer, bad: FakeSGLangServer) -> None:
         bad.faults.update_errors.append("size mismatch for model.norm.weight")
-        a = actor()
+        a = sync_actor()
         sync = WeightSync(SyncConfig(), tmp_path)
         async with _engine([good, bad]) as engine:
             with pytest.raises(EngineError) as err:
@@ -249,10 +225,10 @@ def test_without_at_start_a_fresh_run_skips_the_first_load_but_a_resumed_one_doe
 ) -> None:
     async def body(server: FakeSGLangServer) -> None:
         async with _engine([server]) as engine:
-            fresh = actor()
+            fresh = sync_actor()
             assert await WeightSync(SyncConfig(at_start=False), tmp_path / "a")(engine, fresh) == {}
             assert server.update_log == []
-            resumed = actor()
+            resumed = sync_actor()
             resumed.version = 4
             await WeightSync(SyncConfig(at_start=False), tmp_path / "b")(engine, resumed)
             assert [b["weight_version"] for b in server.update_log] == ["4"]
@@ -274,7 +250,7 @@ class InProcessEngine:
 
 
 def test_an_in_process_engine_gets_the_state_dict_and_nothing_is_written(tmp_path: Path) -> None:
-    a = actor()
+    a = sync_actor()
     engine = InProcessEngine()
     sync = WeightSync(SyncConfig(), tmp_path)
     metrics = asyncio.run(sync(engine, a))
@@ -290,4 +266,4 @@ def test_an_engine_without_weight_loading_is_left_alone(tmp_path: Path) -> None:
     class Plain:
         pass
 
-    assert asyncio.run(WeightSync(SyncConfig(), tmp_path)(Plain(), actor())) == {}
+    assert asyncio.run(WeightSync(SyncConfig(), tmp_path)(Plain(), sync_actor())) == {}

@@ -48,10 +48,6 @@ SYSTEM_PROMPT = (
     "Solve the problem with the calculator, one step at a time. End with #### and the answer."
 )
 
-ORDINALS = (
-    "First", "Second", "Third", "Fourth", "Fifth", "Sixth",
-    "Seventh", "Eighth", "Ninth", "Tenth", "Eleventh", "Twelfth",
-)  # fmt: skip
 CONTAINERS = ("box", "bag", "jar", "basket", "tin")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "pens", "shells", "stamps")
 MAX_VALUE = 999
@@ -117,7 +113,7 @@ class TaskConfig:
     max_operand: int = 9
 
     def __post_init__(self) -> None:
-        synth.check_tail(self.max_steps, self.tail_alpha, len(ORDINALS))
+        synth.check_tail(self.max_steps, self.tail_alpha, len(synth.ORDINALS))
         if not 2 <= self.max_start <= 500 or not 2 <= self.max_operand <= 500:
             raise ValueError("max_start and max_operand must be in 2..500")
 
@@ -161,7 +157,7 @@ def generate_problem(
     steps: list[Step] = []
     value = start
     for i in range(k):
-        step = _step(rng, value, ORDINALS[i], cfg)
+        step = _step(rng, value, synth.ORDINALS[i], cfg)
         steps.append(step)
         value = apply(value, step.op, step.operand)
     return Problem(container, item, start, tuple(steps))

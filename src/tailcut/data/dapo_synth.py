@@ -53,7 +53,8 @@ PROMPT_HEAD = (
 PROMPT_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 """DAPO-Math-17k's instruction around each problem, as its rows carry it."""
 
-ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "Eighth")
+ORDINALS = synth.ORDINALS[:8]
+"""At most eight lines a problem, one per ordinal."""
 MAX_VALUE = 999
 
 

@@ -1,8 +1,8 @@
 """What the two synthetic tool tasks share (:mod:`tailcut.data.arith`, the calculator's
 word problems, and :mod:`tailcut.data.dapo_synth`, the code interpreter's DAPO-layout
-problems): how a reference solution is laid out as messages, how its answer is stated, the
-tool-config file, the per-split seeds and the files a dataset is written as. Each task keeps
-its own problems, prompts and rows."""
+problems): the ordinals that open their step lines, how a reference solution is laid out
+as messages, how its answer is stated, the tool-config file, the per-split seeds and the
+files a dataset is written as. Each task keeps its own problems, prompts and rows."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from tailcut.tools.registry import TOOLS
 
 S = TypeVar("S")
 SPLITS = ("train", "test")
+ORDINALS = (
+    "First", "Second", "Third", "Fourth", "Fifth", "Sixth",
+    "Seventh", "Eighth", "Ninth", "Tenth", "Eleventh", "Twelfth",
+)  # fmt: skip
+"""The words that open a problem's step lines, one per step (a task takes a prefix)."""
 AGENT_NAME = "tool_agent"
 """verl's multi-turn recipe's agent, named in every row."""
 ANSWER_STYLES = ("strict", "plain")

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,15 +216,27 @@ def render_tables(reports: Sequence[StepReport]) -> list[Any]:
     return [steps, spread, turns]
 
 
-def plot_cdf(reports: Sequence[StepReport], path: Path, max_legend: int = 12) -> Path:
-    """Completion CDF per step (share of launched requests finished vs. time), cut marked."""
+@contextmanager
+def saved_figure(path: Path, figsize: tuple[float, float]) -> Iterator[Any]:
+    """The axes of a new figure, written to ``path`` (folders made) when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=figsize, dpi=110)
     try:
+        yield ax
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def plot_cdf(reports: Sequence[StepReport], path: Path, max_legend: int = 12) -> Path:
+    """Completion CDF per step (share of launched requests finished vs. time), cut marked."""
+    path = Path(path)
+    with saved_figure(path, (9, 5.5)) as ax:
         for i, r in enumerate(reports):
             xs = [0.0, *r.completion_times_s]
             ys = [k / r.requests if r.requests else 0.0 for k in range(len(xs))]
@@ -242,9 +255,4 @@ def plot_cdf(reports: Sequence[StepReport], path: Path, max_legend: int = 12) ->
         ax.set_title("Request completion CDF (dashed: the cut)")
         if reports:
             ax.legend(fontsize="small", loc="lower right")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tailcut.trace.report import TAIL_DONE, StepReport
+from tailcut.trace.report import TAIL_DONE, StepReport, saved_figure
 
 
 @dataclass(slots=True)
@@ -102,16 +102,11 @@ def render_summary(summaries: Sequence[RunSummary]) -> Any:
 
 def plot_step_times(reports: Sequence[StepReport], path: Path) -> Path:
     """Step time (solid) and cut time (dashed) against the step, one colour per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups: dict[str, list[StepReport]] = {}
     for r in reports:
         groups.setdefault(r.group, []).append(r)
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
-    try:
+    path = Path(path)
+    with saved_figure(path, (9, 5)) as ax:
         for group, rs in groups.items():
             rs = sorted(rs, key=lambda r: r.step)
             name = group or "run"
@@ -135,9 +130,4 @@ def plot_step_times(reports: Sequence[StepReport], path: Path) -> Path:
         ax.set_title("Step time and cut time over the run")
         if groups:
             ax.legend(fontsize="small")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path

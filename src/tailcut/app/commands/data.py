@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -166,6 +167,21 @@ def _print_check(file: Path, n_rows: int, good: list, problems: list, limit: int
     )
 
 
+def _report_synth(
+    out: Path, counts: dict[str, int], tool: str, problems: Sequence[Any], unit: str
+) -> None:
+    """Report a synthetic task's written files and its train split's `unit`s per problem."""
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)  # paths are never wrapped
+    for split, rows in counts.items():
+        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
+    console.print(f"wrote {out / 'tools.yaml'} ({tool})")
+    steps = Counter(len(p.steps) for p in problems)
+    shares = ", ".join(f"{k}: {steps[k] / len(problems):.0%}" for k in sorted(steps))
+    console.print(f"{unit} per problem (train): {shares}", highlight=False)
+
+
 @data_app.command("arith")
 def arith(
     out: Annotated[
@@ -176,8 +192,6 @@ def arith(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the problem generator.")] = 0,
 ) -> None:
     """Write the built-in model's arithmetic task (calculator tool) as verl-format parquet."""
-    from rich.console import Console
-
     from tailcut.data import arith
     from tailcut.data.verl import DataError
 
@@ -185,14 +199,8 @@ def arith(
         counts = arith.write_dataset(out, n, n_test, seed)
     except DataError as exc:
         raise _fail(str(exc)) from None
-    console = Console()
-    for split, rows in counts.items():
-        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
-    console.print(f"wrote {out / 'tools.yaml'} (tool: {arith.TOOL_NAME})")
     problems = arith.generate_problems(arith.split_seed(seed, "train"), n)
-    steps = Counter(len(p.steps) for p in problems)
-    shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
-    console.print(f"steps per problem (train): {shares}", highlight=False)
+    _report_synth(out, counts, f"tool: {arith.TOOL_NAME}", problems, "steps")
 
 
 @data_app.command("dapo-synth")
@@ -209,8 +217,6 @@ def dapo_synth(
 ) -> None:
     """Write DAPO-layout math problems (DAPO-Math-17k's columns, data_source math_dapo)
     whose answers short Python programs compute, for the code_interpreter tool."""
-    from rich.console import Console
-
     from tailcut.data import dapo_synth as ds
     from tailcut.data.verl import DataError
 
@@ -219,11 +225,5 @@ def dapo_synth(
         counts = ds.write_dataset(out, n, n_test, seed, task)
     except DataError as exc:
         raise _fail(str(exc)) from None
-    console = Console()
-    for split, rows in counts.items():
-        console.print(f"wrote {out / f'{split}.parquet'}: {rows:,} rows")
-    console.print(f"wrote {out / 'tools.yaml'} (tool: {ds.TOOL_NAME}, local sandbox)")
     problems = ds.generate_problems(ds.split_seed(seed, "train"), n, task)
-    steps = Counter(len(p.steps) for p in problems)
-    shares = ", ".join(f"{k}: {steps[k] / n:.0%}" for k in sorted(steps))
-    console.print(f"code calls per problem (train): {shares}", highlight=False)
+    _report_synth(out, counts, f"tool: {ds.TOOL_NAME}, local sandbox", problems, "code calls")
