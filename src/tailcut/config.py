@@ -216,9 +216,11 @@ class CutoffConfig(_Model):
     """Record a dead worker's requests as FAILED and go on (else fail the step)."""
     long_rounds: bool = False
     """Keep the long samples (``rollout/long_rounds.py``): a group with a cut member is not
-    trained in its step; its prompt is queued (with ``partial``: a trajectory past
-    ``max_staleness``) and run again, whole and uncut, in a later long round together with
-    the other queued prompts (the tail batched with the tail)."""
+    trained in its step; it is queued (with ``partial``: a trajectory past
+    ``max_staleness``) and completed in a later long round together with the other queued
+    groups (the tail batched with the tail): its finished members kept, its cut members
+    continued to their end, uncut — or, once older than ``max_staleness`` steps, its prompt
+    run again whole."""
     long_round_prompts: int | None = Field(None, ge=1)
     """Queued prompts that start a long round (None: a step's ``data.batch_size``)."""
     adapt: bool = False

@@ -1,5 +1,7 @@
-"""Long rounds: groups with a cut member are withheld and their prompts queued; the queue
-hands them out oldest first and survives a checkpoint; the length bias per mode."""
+"""Long rounds: groups with a cut member are withheld with their finished and cut members
+and their prompts queued; the queue hands them out oldest first and survives a checkpoint;
+a long round completes a kept group (cut members resumed, finished ones trained) within
+``max_staleness`` and re-runs it whole past it; the length bias per mode."""
 
 from __future__ import annotations
 
@@ -7,9 +9,17 @@ import pickle
 
 import pytest
 
+from tailcut.algo.advantage import compute_advantages
 from tailcut.algo.batch import plan_rows
 from tailcut.algo.length_bias import LengthLedger, audit_length_bias, replay_trained
-from tailcut.rollout.long_rounds import LongRoundQueue, prompts_of_groups, withhold_cut_groups
+from tailcut.rollout.long_rounds import (
+    LongRoundQueue,
+    QueuedPrompt,
+    join_kept,
+    open_long_round,
+    prompts_of_groups,
+    withhold_cut_groups,
+)
 from tailcut.types import FinishReason, Sample, Status, token_array
 
 
@@ -30,6 +40,60 @@ def test_groups_with_a_cut_member_are_withheld_whole(mode: str) -> None:
     assert w.rows == (2 if mode == "mask" else 1)
     assert w.plan.counts.real == 2 and w.plan.counts.masked == 0
     assert prompts_of_groups(samples, w.groups) == [{"prompt": "p1"}]
+    # The withheld group's members wait with its prompt: none is lost.
+    assert len(w.entries) == 1 and w.kept == 1 and w.cut == 1
+    (e,) = w.entries
+    assert e.data == {"prompt": "p1"} and e.queued_step == 0
+    assert e.finished == [samples[2]] and e.cut == [samples[3]]
+
+
+def test_a_failed_member_of_a_withheld_group_is_neither_kept_nor_resumed() -> None:
+    samples = [_s(0, 0, 2), _s(1, 0, 3, Status.ABORTED), _s(2, 0, 4, Status.FAILED)]
+    samples[2].reward = None
+    w = withhold_cut_groups(plan_rows(samples, None, "drop"), samples, step=5)
+    (e,) = w.entries
+    assert e.finished == [samples[0]] and e.cut == [samples[1]] and e.queued_step == 5
+    assert w.plan.samples == [] and w.rows == 1
+
+
+def _withheld_entry(step: int) -> QueuedPrompt:
+    done = _s(0, 3, 2)
+    cut = _s(1, 3, 5, Status.ABORTED)
+    cut.versions = token_array([4] * 5)
+    return QueuedPrompt({"prompt": "p3"}, step, [done], [cut])
+
+
+def test_long_round_completes_a_kept_group_with_its_cut_members_resumed() -> None:
+    e = _withheld_entry(step=4)
+    lr = open_long_round([e, QueuedPrompt({"prompt": "fresh"}, 4)], step=6, max_staleness=2)
+    assert lr.prompts == [{"prompt": "fresh"}]  # queued without members: a whole new group
+    assert lr.kept == e.finished and lr.kept_groups == 1 and lr.expired_rows == 0
+    (r,) = lr.resumed
+    assert r is not e.cut[0] and r.group == 3 and r.status is Status.PENDING
+    assert r.resumed_from_step == 4 and list(r.response_ids) == [1] * 5  # tokens so far
+    assert list(r.versions) == [4] * 5  # the version that sampled them stays recorded
+    assert lr.lag_max == 2
+
+
+def test_long_round_past_max_staleness_reruns_the_group_whole() -> None:
+    lr = open_long_round([_withheld_entry(step=4)], step=7, max_staleness=2)
+    assert lr.prompts == [{"prompt": "p3"}] and lr.resumed == [] and lr.kept == []
+    assert lr.expired_rows == 1 and lr.kept_groups == 0 and lr.lag_max == 0
+
+
+def test_a_completed_group_has_its_statistics_over_all_its_real_members() -> None:
+    e = _withheld_entry(step=1)
+    lr = open_long_round([e], step=2, max_staleness=1)
+    (r,) = lr.resumed
+    r.index, r.status, r.reward = 0, Status.COMPLETED, 0.0  # the long one finishes, wrong
+    r.finish_reason = FinishReason.STOP
+    rows = join_kept(plan_rows([r], None, "drop"), lr.kept)
+    assert rows.samples == [e.finished[0], r] and rows.valid == [True, True]
+    assert rows.counts.real == 2 and rows.groups == [3, 3]
+    adv = compute_advantages(rows.rewards, rows.groups, rows.valid)
+    assert adv.advantages[0] > 0 > adv.advantages[1]  # reward 1 vs 0 in one group of two
+    assert adv.advantages[0] == pytest.approx(-adv.advantages[1])
+    assert join_kept(rows, []) is rows
 
 
 def test_queue_is_oldest_first_and_checkpointed() -> None:
@@ -42,6 +106,20 @@ def test_queue_is_oldest_first_and_checkpointed() -> None:
     assert [e.data for e in again.take(2)] == [{"p": 1}, {"p": 2}]
     assert len(again) == 1 and again.queued_total == 3 and again.run_total == 2
     assert again.rounds_total == 1
+
+
+def test_queue_checkpoints_kept_members_and_reads_the_old_format() -> None:
+    q = LongRoundQueue()
+    q.push_entries([_withheld_entry(step=2)])
+    again = LongRoundQueue()
+    again.load_state_dict(pickle.loads(pickle.dumps(q.state_dict())))
+    (e,) = again.entries
+    assert e.queued_step == 2 and e.members == 2
+    assert [s.status for s in e.finished + e.cut] == [Status.COMPLETED, Status.ABORTED]
+    assert list(e.cut[0].versions) == [4] * 5 and again.queued_total == 1
+    old = LongRoundQueue()
+    old.load_state_dict({"entries": [({"p": 1}, 3)], "queued_total": 1})
+    assert old.entries == [QueuedPrompt({"p": 1}, 3)] and old.entries[0].members == 0
 
 
 def _audit_step() -> list[Sample]:

@@ -20,8 +20,10 @@ What each mode trains, replayed:
   (partial) the partial set, and each group that has a trajectory past the staleness
   bound again, whole (its earlier members stay trained).
 
-The long round's samples are new draws of the same prompts; the replay counts them at the
-audit step's uncut lengths (their expectation). :class:`LengthLedger` keeps the measured
+In a long round a withheld group's finished members are trained as they were and its cut
+members continue to their end (within ``max_staleness``; past it the prompt is drawn anew,
+whole): either way every member at its uncut length, which is what the replay counts (the
+audit step's uncut lengths). :class:`LengthLedger` keeps the measured
 figure over the run: the mean length of every trained sample over the mean uncut length of
 the audit steps' fresh samples, with the per-step replays' mean beside it.
 """

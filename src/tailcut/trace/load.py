@@ -1,6 +1,9 @@
 """Load a traced run: find its step files, validate every record, rebuild each request.
 
-A traces directory holds ``step_{k}/worker_{r}.jsonl``; a benchmark directory holds one
+A traces directory holds ``step_{k}/worker_{r}.jsonl``, and ``worker_{r}.round{n}.jsonl`` for a
+step's extra launch rounds (``algo.filter_groups``: the trainer runs the step again, n = 1, 2,
+...): they are part of step k, read after round 0 of their worker, their requests named
+``<request_id>.round{n}`` (each round numbers its requests from 0); a benchmark directory holds one
 such run per policy (``<policy>/step_{k}/...``); a training run keeps its traces in
 ``RUN_DIR/traces``. Any of these, one step directory or one file may be given. Every record
 is checked against the event schema and every request must have exactly one terminal event;
@@ -38,7 +41,7 @@ from tailcut.trace.events import TERMINAL_EVENTS, EventKind, TraceSchemaError
 from tailcut.trace.schema import LEGACY_STEP_WORKID, Dialect, detect_dialect, validate_record
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_WORKER_FILE = re.compile(r"^worker_(\d+)\.jsonl$")
+_WORKER_FILE = re.compile(r"^worker_(\d+)(?:\.round(\d+))?\.jsonl$")
 MAX_LISTED = 20
 Warn = Callable[[str], None]
 """Where a skipped part of a trace is reported."""
@@ -62,6 +65,8 @@ class Event:
     where: str
     """``file:line`` of the record."""
     step: int
+    round: int = 0
+    """The step's launch round (0: the first; n: ``worker_R.roundN.jsonl``)."""
 
     @property
     def start(self) -> float:
@@ -75,6 +80,8 @@ class RequestTrace:
     events: list[Event] = field(default_factory=list)
     launch: Event | None = None
     terminal: Event | None = None
+    round: int = 0
+    """The step's launch round that ran it (``request_id`` ends ``.round{n}`` when n > 0)."""
 
     @property
     def status(self) -> str:
@@ -164,19 +171,28 @@ class StepTrace:
         return [e for e in self.step_events if e.kind is EventKind.STEP_MONITORING]
 
     def cut_offset(self, cut: Event) -> float:
-        """A cut's time since the step start (its duration measures from its worker's start)."""
-        return self.worker_start(cut.worker) + cut.duration - self.start
+        """A cut's time since the step start (its duration measures from the start of its
+        worker's launch round)."""
+        return self.worker_start(cut.worker, cut.round) + cut.duration - self.start
 
-    def worker_start(self, worker: int) -> float:
+    def worker_start(self, worker: int, round: int = 0) -> float:
+        """When ``worker`` started launch round ``round`` of the step."""
         totals = [
             e.start
             for e in self.step_events
-            if e.worker == worker and e.kind is EventKind.STEP_TOTAL
+            if e.worker == worker and e.round == round and e.kind is EventKind.STEP_TOTAL
         ]
         if totals:
             return min(totals)
-        launches = [r.begin for r in self.requests if r.worker == worker]
+        launches = [r.begin for r in self.requests if r.worker == worker and r.round == round]
         return min(launches, default=self.start)
+
+    @property
+    def rounds(self) -> int:
+        """Launch rounds traced in this step (1 + the extra rounds' ``roundN`` files)."""
+        return 1 + max(
+            [e.round for e in self.step_events] + [r.round for r in self.requests], default=0
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,15 +204,22 @@ class StepSource:
     """From the ``step_{k}`` folder; None for a lone file elsewhere (taken from its records)."""
     path: Path
     files: list[tuple[int, Path]]
-    """``(worker, file)``, by worker."""
+    """``(worker, file)``, by worker, each worker's launch rounds in order."""
+
+
+def file_round(path: Path) -> int:
+    """The launch round of a trace file: n for ``worker_R.roundN.jsonl``, else 0."""
+    m = _WORKER_FILE.match(path.name)
+    return int(m.group(2)) if m and m.group(2) else 0
 
 
 def _worker_files(step_dir: Path) -> list[tuple[int, Path]]:
-    return sorted(
-        (int(m.group(1)), p)
+    found = [
+        (int(m.group(1)), int(m.group(2) or 0), p)
         for p in step_dir.iterdir()
         if (m := _WORKER_FILE.match(p.name)) and p.is_file()
-    )
+    ]
+    return [(w, p) for w, _, p in sorted(found, key=lambda f: (f[0], f[1]))]
 
 
 def discover(path: Path) -> list[StepSource]:
@@ -242,8 +265,10 @@ def _read_file(
     path: Path, worker: int, problems: list[str], warn: Warn
 ) -> tuple[list[Event], str | None]:
     """The file's events, and what was skipped if it was cut short: the file was empty, or its
-    last line (no newline) does not parse. Bad lines before the last are problems."""
+    last line (no newline) does not parse. Bad lines before the last are problems. A round
+    file's (``worker_R.roundN.jsonl``) events carry ``round`` N and request ids ``.roundN``."""
     events: list[Event] = []
+    n_round = file_round(path)
     lineno = 0
     dialect: Dialect | None = None
     unknown: Counter[str] = Counter()
@@ -283,7 +308,11 @@ def _read_file(
                 request = None if wid == LEGACY_STEP_WORKID else wid
             else:
                 request = extra.get("request_id")
-            events.append(Event(kind, request, end, duration, extra, worker, where, rec["step"]))
+            if n_round and request is not None:
+                request = f"{request}.round{n_round}"
+            events.append(
+                Event(kind, request, end, duration, extra, worker, where, rec["step"], n_round)
+            )
     if unknown:
         kinds = ", ".join(f"{k} ({n})" for k, n in sorted(unknown.items()))
         warn(f"{path}: skipped events of kinds tailcut does not read: {kinds}")
@@ -291,17 +320,17 @@ def _read_file(
 
 
 def _requests(
-    events: list[Event], problems: list[str], cut_short: Collection[int]
-) -> tuple[list[RequestTrace], Counter[int]]:
-    """Requests by (worker, workid), and how many were dropped per worker: one left without a
-    terminal event is a problem, unless its worker's file was cut short."""
+    events: list[Event], problems: list[str], cut_short: Collection[tuple[int, int]]
+) -> tuple[list[RequestTrace], Counter[tuple[int, int]]]:
+    """Requests by (worker, workid), and how many were dropped per (worker, round) file: one
+    left without a terminal event is a problem, unless its file was cut short."""
     requests: dict[tuple[int, str], RequestTrace] = {}
     for e in events:
         assert e.request_id is not None
         key = (e.worker, e.request_id)
         req = requests.get(key)
         if req is None:
-            req = requests[key] = RequestTrace(e.worker, e.request_id)
+            req = requests[key] = RequestTrace(e.worker, e.request_id, round=e.round)
         req.events.append(e)
         if e.kind is EventKind.REQUEST_START:
             if req.launch is not None:
@@ -317,10 +346,10 @@ def _requests(
                 )
             else:
                 req.terminal = e
-    dropped: Counter[int] = Counter()
+    dropped: Counter[tuple[int, int]] = Counter()
     for req in requests.values():
-        if req.terminal is None and req.worker in cut_short:
-            dropped[req.worker] += 1
+        if req.terminal is None and (req.worker, req.round) in cut_short:
+            dropped[req.worker, req.round] += 1
         elif req.terminal is None:
             first = req.events[0]
             problems.append(
@@ -333,12 +362,12 @@ def _requests(
 def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace | None:
     """One step, validated (problems appended); None when it holds no events."""
     events: list[Event] = []
-    cut_short: dict[int, str] = {}
+    cut_short: dict[tuple[int, int], str] = {}
     for worker, path in source.files:
         read, skipped = _read_file(path, worker, problems, warn)
         events += read
         if skipped:
-            cut_short[worker] = skipped
+            cut_short[worker, file_round(path)] = skipped
     if not events:
         for skipped in cut_short.values():
             warn(skipped)
@@ -354,8 +383,8 @@ def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace 
     requests, dropped = _requests(
         [e for e in events if e.request_id is not None], problems, cut_short
     )
-    for worker, skipped in cut_short.items():
-        n = dropped[worker]
+    for key, skipped in cut_short.items():
+        n = dropped[key]
         warn(skipped + (f", and {n} request(s) it left unfinished" if n else ""))
     totals = [e for e in step_events if e.kind is EventKind.STEP_TOTAL]
     starts = [e.start for e in totals] or [r.begin for r in requests] or [e.start for e in events]
@@ -365,7 +394,7 @@ def load_step(source: StepSource, problems: list[str], warn: Warn) -> StepTrace 
         step=step,
         path=source.path,
         workers=sorted({e.worker for e in events}),
-        requests=sorted(requests, key=lambda r: (r.worker, r.request_id)),
+        requests=sorted(requests, key=lambda r: (r.worker, r.round, r.request_id)),
         step_events=step_events,
         start=min(starts),
         end=max(max(ends), *(r.end for r in requests)) if requests else max(ends),

@@ -18,7 +18,14 @@ from tailcut.algo.batch import RowPlan
 from tailcut.algo.length_bias import LengthLedger, audit_length_bias
 from tailcut.config import CutoffConfig
 from tailcut.rollout.adapt import ADAPTABLE, AdaptiveCut, cutoff_update, share_of
-from tailcut.rollout.long_rounds import LongRoundQueue, prompts_of_groups, withhold_cut_groups
+from tailcut.rollout.long_rounds import (
+    LongRound,
+    LongRoundQueue,
+    join_kept,
+    open_long_round,
+    prompts_of_groups,
+    withhold_cut_groups,
+)
 from tailcut.types import Sample
 
 
@@ -63,21 +70,38 @@ class Budget:
     def long_round_due(self) -> bool:
         return self.long is not None and self.long.ready(self.long_size)
 
-    def take_long_round(self) -> list[dict[str, Any]]:
+    def take_long_round(self, step: int) -> LongRound:
+        """The oldest queued prompts: withheld groups within ``cutoff.max_staleness`` are
+        completed (cut members resumed, finished ones kept), the others run whole, fresh."""
         assert self.long is not None
-        return [e.data for e in self.long.take(self.long_size)]
+        lr = open_long_round(self.long.take(self.long_size), step, self.cfg.max_staleness)
+        self._add("long/kept_groups", lr.kept_groups)
+        self._add("long/kept_rows", len(lr.kept))
+        self._add("long/resumed_members", len(lr.resumed))
+        self._add("long/rerun_groups", len(lr.prompts))
+        self._add("long/expired_rows", lr.expired_rows)
+        self.step_metrics["long/kept_lag_max"] = float(lr.lag_max)
+        return lr
+
+    @staticmethod
+    def join_kept(plan: RowPlan, lr: LongRound | None) -> RowPlan:
+        """A long round's rows with its kept finished members (their groups whole)."""
+        return plan if lr is None else join_kept(plan, lr.kept)
 
     # -- during the step ------------------------------------------------------------------
 
     def withhold(self, plan: RowPlan, samples: Sequence[Sample], step: int) -> RowPlan:
-        """Long rounds (drop, mask): the rows of groups with a cut member leave the plan,
-        their prompts join the queue."""
+        """Long rounds (drop, mask): the rows of groups with a cut member leave the plan;
+        each group joins the queue with its finished members (kept, ``long/withheld_kept``)
+        and its cut ones (resumed in the long round, ``long/withheld_cut``)."""
         if self.long is None:
             return plan
-        w = withhold_cut_groups(plan, samples)
-        self.long.push(prompts_of_groups(samples, w.groups), step)
+        w = withhold_cut_groups(plan, samples, step)
+        self.long.push_entries(w.entries)
         self._add("long/withheld_groups", len(w.groups))
         self._add("long/withheld_rows", w.rows)
+        self._add("long/withheld_kept", w.kept)
+        self._add("long/withheld_cut", w.cut)
         return w.plan
 
     def queue_lost(self, lost: Sequence[Sample], step: int) -> None:

@@ -228,9 +228,10 @@ class Trainer:
         long_round = self.budget.long_round_due()
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
         policy = self._policy(self.cfg.n_target + len(taken.resumed))
-        if long_round:
-            rows_data = self.budget.take_long_round()
-            samples = self._launch(step, taken.resumed, len(taken.resumed), rows_data)
+        lr = self.budget.take_long_round(step) if long_round else None
+        if lr is not None:  # withheld groups' cut members resume; other prompts run whole
+            again = [*taken.resumed, *lr.resumed]
+            samples = self._launch(step, again, len(again), lr.prompts)
         else:
             samples = self._launch(step, taken.resumed, policy.n_launch)
         result = await self._rollout(step, samples, policy, uncut=audit or long_round)
@@ -241,7 +242,9 @@ class Trainer:
             metrics["bias/length"] = self.budget.audit(
                 result.samples, policy.would_keep(result.samples)
             )
-        rows = await self._fill(step, result, audit or long_round, metrics)
+        rows = self.budget.join_kept(
+            await self._fill(step, result, audit or long_round, metrics), lr
+        )
         t_rollout, loop_rollout = time.monotonic(), asyncio.get_running_loop().time()
         baselines = None
         if self.partial:
