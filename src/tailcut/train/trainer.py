@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tailcut.algo.advantage import compute_advantages
-from tailcut.algo.batch import RowPlan, assemble, keep_rows, plan_rows
+from tailcut.algo.batch import RowPlan, TrainBatch, assemble, keep_rows, plan_rows
 from tailcut.algo.buffers import BatchBuffers
 from tailcut.algo.filter import concat_plans, filter_groups, groups_to_launch, informative_groups
 from tailcut.algo.metrics import (
@@ -272,34 +272,35 @@ class Trainer:
         else:
             batch = assemble(rows, advantages, pad_id=self.setup.pad_id, buffers=self.batch_buffers)
             metrics.update(batch_metrics(batch, adv))
-            self.fault(step, "update")
-            mode = self.cfg.engine.release_between_steps  # colocation: the engine steps aside
-            released = await release_for_training(self.setup.engine, mode)
-            try:
-                metrics.update(await asyncio.to_thread(self.actor.update, batch))
-            finally:  # before the sync, so that it writes into the engine's device memory
-                resumed = await resume_for_rollout(self.setup.engine, mode)
-            metrics.update(memory_metrics(released, resumed))
-            metrics["train/version"] = float(self.actor.version)
-            t_train = time.monotonic()
-            self.fault(step, "sync")
-            metrics.update(await self._sync_weights())
-            phases["train"] = t_train - t_rollout
-            phases["sync"] = time.monotonic() - t_train
+            phases["train"], phases["sync"] = await self._update(step, batch, metrics, t_rollout)
         if not long_round:  # the update's and sync's seconds on the clock the rollout ran on
             overhead = asyncio.get_running_loop().time() - loop_rollout
             self.budget.learn(result.samples, self.ranks.broadcast(overhead))
         metrics.update(self.budget.metrics())
         metrics.update(timing_metrics(phases, self._reward_s() - reward_s0))
-        if torch.cuda.is_available():  # this process's peak over the step (engine + actor)
-            metrics["memory/peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-        if phases["train"] > 0:  # the update's rates (``Actor._throughput``)
-            metrics["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / phases["train"]
-            metrics["perf/train_tflops_per_s"] = (
-                metrics["perf/train_flops"] / phases["train"] / 1e12
-            )
+        metrics.update(_rates(metrics, phases["train"]))
         return metrics
+
+    async def _update(
+        self, step: int, batch: TrainBatch, metrics: dict[str, float], since: float
+    ) -> tuple[float, float]:
+        """The engine steps aside (``engine.release_between_steps``), the actor updates, the
+        engine takes its memory back and receives the new weights; adds their metrics and
+        returns the training seconds (from ``since``, the rollout's end: the batch's
+        assembly included) and the sync's."""
+        self.fault(step, "update")
+        mode = self.cfg.engine.release_between_steps
+        released = await release_for_training(self.setup.engine, mode)
+        try:
+            metrics.update(await asyncio.to_thread(self.actor.update, batch))
+        finally:  # before the sync, so that it writes into the engine's device memory
+            resumed = await resume_for_rollout(self.setup.engine, mode)
+        metrics.update(memory_metrics(released, resumed))
+        metrics["train/version"] = float(self.actor.version)
+        t_train = time.monotonic()
+        self.fault(step, "sync")
+        metrics.update(await self._sync_weights())
+        return t_train - since, time.monotonic() - t_train
 
     def _rows(self, step: int, result: StepResult) -> RowPlan:
         """A round's rows (``cutoff.aborted``), its failures checked, groups with a cut member
@@ -529,3 +530,16 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
+
+
+def _rates(metrics: dict[str, float], train_s: float) -> dict[str, float]:
+    """The step's peak device memory (engine + actor, this process) and the update's rates
+    (``Actor._throughput``)."""
+    out: dict[str, float] = {}
+    if torch.cuda.is_available():
+        out["memory/peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+    if train_s > 0:
+        out["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / train_s
+        out["perf/train_tflops_per_s"] = metrics["perf/train_flops"] / train_s / 1e12
+    return out
