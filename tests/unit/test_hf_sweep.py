@@ -1,0 +1,37 @@
+"""The embedded engine's batch sweep (``python -m tailcut.bench.hf_sweep``) on CPU: the
+figures beside the weight-read bound, release/resume, and the profiled run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tailcut.bench.hf_sweep import run_hf_sweep
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_sweep_reports_each_batch_and_where_a_pass_goes(tmp_path: Path) -> None:
+    """Pass counts are not pinned: the sweep reads the worker's counters as a run's results
+    come back, and the worker may count a run's last pass just after (one pass either way;
+    at 6 tokens a request that is a sixth)."""
+    out = tmp_path / "sweep.json"
+    figures = run_hf_sweep(
+        "random-tiny", [2, 4], max_new_tokens=6, device="cpu", dtype="float32", threads=1,
+        json_out=True, out=out, profile=True,
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(figures))
+    assert [b["batch"] for b in figures["batches"]] == [2, 4]
+    for b in figures["batches"]:
+        assert b["tokens"] == b["batch"] * 6  # EOS ignored: every request its budget
+        assert b["decode_passes"] > 0 and b["mean_batch"] > 0
+        assert b["of_bound"] == pytest.approx(b["bound_ms_per_pass"] / b["decode_ms_per_pass"])
+        assert b["release"]["greedy_equal_after_resume"] is True
+        p = b["profile"]  # the same requests once more, under the profiler
+        assert p["decode_passes"] > 0 and p["wall_ms_per_pass"] > 0
+        assert p["device_busy_ms_per_pass"] == 0.0 and p["kernels"] == []  # no device on CPU
