@@ -8,21 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
-from train_fixtures import read_jsonl, tiny_config, tiny_setup
+from train_fixtures import tiny_config, train_killed, train_tiny
 
 from tailcut.trace.load import load_run
 from tailcut.train.trainer import Trainer
-from tailcut.vtime import run_virtual
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CUT = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "trainer.val_every=0")
 
 
 def _train(cfg: Any, tokenizer: Any) -> tuple[Trainer, list[dict[str, Any]]]:
-    trainer = Trainer(cfg, tiny_setup(cfg, tokenizer), console=Console(quiet=True))
-    run_virtual(trainer.run())
-    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")[1:]
+    trainer, rows = train_tiny(cfg, tokenizer)
+    return trainer, rows[1:]
 
 
 @pytest.mark.parametrize("mode", ["drop", "mask"])
@@ -99,14 +96,8 @@ def test_a_resume_keeps_the_queued_members_and_trains_as_the_uninterrupted_run(
     )  # fmt: skip
     _, full = _train(tiny_config(tmp_path / "full", *extra), chat_tokenizer)
 
-    def kill(step: int, phase: str) -> None:
-        if step == 4 and phase == "rollout":
-            raise KeyboardInterrupt
-
     cfg = tiny_config(tmp_path / "cut", *extra)
-    with pytest.raises(KeyboardInterrupt):
-        setup = tiny_setup(cfg, chat_tokenizer)
-        run_virtual(Trainer(cfg, setup, console=Console(quiet=True), fault=kill).run())
+    train_killed(cfg, chat_tokenizer, step=4)
     _, resumed = _train(cfg, chat_tokenizer)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert full[3]["long/round"] == 1 and full[3]["long/kept_rows"] > 0  # from the checkpoint

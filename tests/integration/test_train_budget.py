@@ -8,20 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
-from train_fixtures import prompts, read_jsonl, tiny_config, tiny_setup
+from train_fixtures import prompts, tiny_config, tiny_setup, train_killed, train_tiny
 
 from tailcut.train.trainer import Trainer
-from tailcut.vtime import run_virtual
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CUT = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "trainer.val_every=0")
 
 
 def _train(cfg: Any, tokenizer: Any, setup: Any = None) -> tuple[Trainer, list[dict[str, Any]]]:
-    trainer = Trainer(cfg, setup or tiny_setup(cfg, tokenizer), console=Console(quiet=True))
-    run_virtual(trainer.run())
-    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")[1:]
+    trainer, rows = train_tiny(cfg, tokenizer, setup)
+    return trainer, rows[1:]
 
 
 @pytest.mark.parametrize("mode", ["drop", "partial"])
@@ -155,14 +152,8 @@ def test_long_round_queue_and_adaptive_state_survive_a_resume(
     )  # fmt: skip
     _, full = _train(tiny_config(tmp_path / "full", *extra), chat_tokenizer)
 
-    def kill(step: int, phase: str) -> None:
-        if step == 3 and phase == "rollout":
-            raise KeyboardInterrupt
-
     cfg = tiny_config(tmp_path / "cut", *extra)
-    with pytest.raises(KeyboardInterrupt):
-        setup = tiny_setup(cfg, chat_tokenizer)
-        run_virtual(Trainer(cfg, setup, console=Console(quiet=True), fault=kill).run())
+    train_killed(cfg, chat_tokenizer, step=3)
     _, resumed = _train(cfg, chat_tokenizer)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for k in ("long/round", "long/queued", "cutoff/share", "rollout/launched", "train/loss"):

@@ -8,20 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
-from train_fixtures import read_jsonl, tiny_config, tiny_setup
-
-from tailcut.train.trainer import Trainer
-from tailcut.vtime import run_virtual
+from train_fixtures import tiny_config, train_killed, train_tiny
 
 pytestmark = pytest.mark.slow
 PARTIAL = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "cutoff.aborted=partial")
 
 
-def _train(cfg: Any, tokenizer: Any, **kw: Any) -> tuple[Trainer, list[dict[str, Any]]]:
-    trainer = Trainer(cfg, tiny_setup(cfg, tokenizer), console=Console(quiet=True), **kw)
-    run_virtual(trainer.run())
-    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")
+_train = train_tiny
 
 
 def test_partial_resumes_in_the_next_step(tmp_path: Path, chat_tokenizer: Any) -> None:
@@ -53,13 +46,8 @@ def test_partial_staleness_zero_behaves_like_drop(tmp_path: Path, chat_tokenizer
 def test_partial_kill_and_resume(tmp_path: Path, chat_tokenizer: Any) -> None:
     _, full = _train(tiny_config(tmp_path / "full", *PARTIAL), chat_tokenizer)
 
-    def kill(step: int, phase: str) -> None:
-        if step == 3 and phase == "rollout":
-            raise KeyboardInterrupt
-
     cfg = tiny_config(tmp_path / "cut", *PARTIAL)
-    with pytest.raises(KeyboardInterrupt):
-        _train(cfg, chat_tokenizer, fault=kill)
+    train_killed(cfg, chat_tokenizer, step=3)
     trainer, resumed = _train(cfg, chat_tokenizer)
     assert trainer.step == 3 and full[3]["train/loss"] != 0.0
     for k in ("train/loss", "partial/resumed", "batch/loss_tokens", "train/version_lag_mean"):

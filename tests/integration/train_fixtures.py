@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+from rich.console import Console
 
 from fakes.scripted_engine import ScriptCall, ScriptedEngine, ramble
 from fakes.tiny_policy import tiny_policy
@@ -19,7 +21,8 @@ from tailcut.tools.base import ToolSet
 from tailcut.tools.calculator import CalculatorTool
 from tailcut.train.actor import Actor
 from tailcut.train.config import TrainConfig, load_train_config
-from tailcut.train.trainer import TrainSetup
+from tailcut.train.trainer import Trainer, TrainSetup
+from tailcut.vtime import run_virtual
 
 TOKEN_S = 0.01
 
@@ -116,3 +119,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_tiny(
+    cfg: TrainConfig, tokenizer: Any, setup: TrainSetup | None = None, **kw: Any
+) -> tuple[Trainer, list[dict[str, Any]]]:
+    """Run ``cfg`` on the tiny setup (virtual time): the trainer and every metrics row."""
+    trainer = Trainer(cfg, setup or tiny_setup(cfg, tokenizer), console=Console(quiet=True), **kw)
+    run_virtual(trainer.run())
+    return trainer, read_jsonl(Path(cfg.trainer.run_dir) / "metrics.jsonl")
+
+
+def train_killed(cfg: TrainConfig, tokenizer: Any, step: int, phase: str = "rollout") -> None:
+    """Run ``cfg`` until a kill (KeyboardInterrupt) at ``phase`` of ``step``."""
+
+    def kill(at: int, where: str) -> None:
+        if at == step and where == phase:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(cfg, tokenizer, fault=kill)
