@@ -42,7 +42,7 @@ def test_withheld_members_are_kept_and_the_long_round_completes_their_groups() -
     m = b.metrics()
     assert m["long/withheld_groups"] == 2 and m["long/withheld_rows"] == 3
     assert m["long/withheld_kept"] == 3 and m["long/withheld_cut"] == 3
-    assert m["long/queued"] == 2 and b.long_round_due()
+    assert m["long/queued"] == 2 and b.long_round_due(step=2)
 
     again = _budget(max_staleness=3)  # the queue, members and all, through a checkpoint
     again.load_state_dict(pickle.loads(pickle.dumps(b.state_dict())))
@@ -76,3 +76,20 @@ def test_groups_past_max_staleness_are_rerun_whole_and_counted() -> None:
     m = b.metrics()
     assert m["long/rerun_groups"] == 2 and m["long/expired_rows"] == 3
     assert m["long/kept_rows"] == 0 and m["long/kept_lag_max"] == 0
+
+
+def test_a_long_round_runs_early_at_the_last_step_a_withheld_group_can_wait() -> None:
+    cfg = CutoffConfig(long_rounds=True, long_round_prompts=8, max_staleness=2)
+    b = Budget(cfg, batch_size=4)
+    samples = _short_step()
+    b.withhold(plan_rows(samples, None, "drop"), samples, step=1)  # 2 of 8 prompts queued
+    b.metrics()
+    assert not b.long_round_due(step=2)  # it can still wait
+    assert b.metrics()["long/early_round"] == 0.0
+    assert b.long_round_due(step=3)  # a round after step 3 would let its members go
+    assert b.metrics()["long/early_round"] == 1.0
+    lr = b.take_long_round(step=3)
+    assert lr.kept_groups == 2 and lr.expired_rows == 0 and lr.prompts == []
+    never = Budget(cfg.model_copy(update={"max_staleness": 0}), batch_size=4)
+    never.withhold(plan_rows(samples, None, "drop"), samples, step=1)
+    assert not any(never.long_round_due(step=s) for s in (1, 2, 3))  # none can wait

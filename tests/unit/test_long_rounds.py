@@ -101,6 +101,7 @@ def test_queue_is_oldest_first_and_checkpointed() -> None:
     q.push([{"p": 1}, {"p": 2}], step=1)
     q.push([{"p": 3}], step=2)
     assert not q.ready(4) and q.ready(3)
+    assert not q.expiring(3, max_staleness=1)  # prompts without members never expire early
     again = LongRoundQueue()
     again.load_state_dict(pickle.loads(pickle.dumps(q.state_dict())))
     assert [e.data for e in again.take(2)] == [{"p": 1}, {"p": 2}]

@@ -10,8 +10,10 @@ shorter than the data's (``bias/length``). With long rounds::
                                  members (their tokens so far) wait with its prompt
                  (partial: trajectories resume as usual; one past cutoff.max_staleness
                   queues its prompt instead of being dropped)
-    long round:  once cutoff.long_round_prompts prompts are queued, the next step runs
-                 them uncut (wait-all), with the resumed partial trajectories: the tail
+    long round:  once cutoff.long_round_prompts prompts are queued — or sooner, at the
+                 last step a withheld group can wait (its members would expire) — the
+                 next step runs them uncut (wait-all), with the resumed partial
+                 trajectories: the tail
                  batched with the tail. A withheld group's cut members resume from where
                  they were cut and finish; its kept finished members join the batch, so
                  the group is trained whole — the very draws a wait-all step would have
@@ -88,6 +90,13 @@ class LongRoundQueue:
     def ready(self, size: int) -> bool:
         """A long round is due: at least ``size`` prompts are queued."""
         return len(self.entries) >= size
+
+    def expiring(self, step: int, max_staleness: int) -> bool:
+        """A withheld group with members is at its last step within ``max_staleness``: a
+        long round at ``step`` still completes it, one later would let its members go."""
+        return max_staleness > 0 and any(
+            e.members and step - e.queued_step == max_staleness for e in self.entries
+        )
 
     def take(self, size: int) -> list[QueuedPrompt]:
         """The oldest ``size`` prompts, out of the queue."""

@@ -67,8 +67,16 @@ class Budget:
         self.audit_pending = due and long_round
         return due and not long_round
 
-    def long_round_due(self) -> bool:
-        return self.long is not None and self.long.ready(self.long_size)
+    def long_round_due(self, step: int) -> bool:
+        """Whether ``step`` runs a long round: the queue is full, or a withheld group would
+        expire after this step (``long/early_round``: 1 on a round run for that)."""
+        if self.long is None:
+            return False
+        if self.long.ready(self.long_size):
+            return True
+        early = self.long.expiring(step, self.cfg.max_staleness)
+        self.step_metrics["long/early_round"] = float(early)
+        return early
 
     def take_long_round(self, step: int) -> LongRound:
         """The oldest queued prompts: withheld groups within ``cutoff.max_staleness`` are

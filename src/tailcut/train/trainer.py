@@ -225,7 +225,7 @@ class Trainer:
         t0, reward_s0 = time.monotonic(), self._reward_s()
         self.fault(step, "rollout")
         taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
-        long_round = self.budget.long_round_due()
+        long_round = self.budget.long_round_due(step)
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
         policy = self._policy(self.cfg.n_target + len(taken.resumed))
         lr = self.budget.take_long_round(step) if long_round else None
