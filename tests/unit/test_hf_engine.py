@@ -483,3 +483,12 @@ def test_hf_bench_reports_both_runs_on_the_same_tokens_and_clean_aborts(capsys: 
         assert figures[key]["kv_blocks_in_use_after"] == 0
         assert figures[key]["in_flight_after"] == 0
     assert '"ratio"' in capsys.readouterr().out
+
+
+def test_counters_include_the_pass_that_finished_a_request_when_it_returns(model: Any) -> None:
+    async def body(engine: HFEngine) -> tuple[int, int, int]:
+        await engine.generate(req(prompt(1, 5), 6, ignore_eos=True))
+        c = engine.counters  # read at once: the worker may be idle or already waiting
+        return c.prefill_passes, c.decode_passes, c.generated_tokens
+
+    assert run(model, body) == (1, 5, 6)  # the first token comes from the prefill

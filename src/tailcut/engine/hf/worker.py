@@ -320,20 +320,22 @@ class SlotWorker:
         tokens, logprobs = self._runner.prefill(batch)
         self.counters.prefill_seconds += time.perf_counter() - start
         self.counters.prefill_chunks += self._runner.chunks - chunks
+        self.counters.prefill_passes += 1  # counted before the results go out (see _decode)
         for x in batch:
             x.end = len(x.request.prompt_ids)
         self._accept(batch, tokens, logprobs, pass_id)
-        self.counters.prefill_passes += 1
 
     def _decode(self, rows: list[Live], pass_id: int) -> None:
         replays, start = self._runner.decoder.replays, time.perf_counter()
         tokens, logprobs = self._runner.decode(rows)
         self.counters.decode_seconds += time.perf_counter() - start
+        # counted before the results go out: a caller reading the counters once its
+        # request is done sees the pass that finished it
+        self.counters.decode_passes += 1
+        self.counters.graph_passes += self._runner.decoder.replays - replays
         for x in rows:
             x.end += 1
         self._accept(rows, tokens, logprobs, pass_id)
-        self.counters.decode_passes += 1
-        self.counters.graph_passes += self._runner.decoder.replays - replays
 
     def _accept(
         self, rows: list[Live], tokens: list[int], logprobs: list[float], pass_id: int
