@@ -95,7 +95,7 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         over_provision=opts.over_provision, deadline_s=opts.deadline_s,
     )  # fmt: skip
     policy = make_policy(cutoff, opts.requests, opts.group_size)
-    reward = RewardFn()
+    reward: RewardFn | None = None  # scripted workload turns are not scored
     max_seq_len = None
     if opts.workload is not None:
         samples, max_seq_len = workload_samples(opts, path, policy.n_launch)
@@ -104,6 +104,7 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     else:
         assert opts.data is not None
         prompts = load_prompts(opts.data)
+        reward = RewardFn()
         samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
         no_reward = reward.unscorable(r.data_source for r in prompts.rows)
         toolset = make_toolset(opts, prompts.rows)
@@ -119,7 +120,8 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         left = await engine.in_flight()
     finally:
         await engine.aclose()
-        await reward.aclose()
+        if reward is not None:
+            await reward.aclose()
     return summarize(opts, path, result, stats, left, no_reward)
 
 
