@@ -73,6 +73,12 @@ VARIANTS: dict[str, list[str]] = {
         "cutoff.audit_every=0",
         "algo.filter_groups=zero-std",
     ],
+    # Length-aware scheduling (examples/length_aware): the same cut, stragglers held back.
+    "spf/drop": [
+        "cutoff.policy=target-count",
+        "cutoff.aborted=drop",
+        "rollout.schedule.kind=spf",
+    ],
     "target-count/drop+filter": [
         "cutoff.policy=target-count",
         "cutoff.aborted=drop",
