@@ -72,11 +72,10 @@ class Budget:
         expire after this step (``long/early_round``: 1 on a round run for that)."""
         if self.long is None:
             return False
-        if self.long.ready(self.long_size):
-            return True
-        early = self.long.expiring(step, self.cfg.max_staleness)
+        full = self.long.ready(self.long_size)
+        early = not full and self.long.expiring(step, self.cfg.max_staleness)
         self.step_metrics["long/early_round"] = float(early)
-        return early
+        return full or early
 
     def take_long_round(self, step: int) -> LongRound:
         """The oldest queued prompts: withheld groups within ``cutoff.max_staleness`` are
