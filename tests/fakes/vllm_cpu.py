@@ -26,7 +26,9 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = float(os.environ.get("TAILCUT_VLLM_START_TIMEOUT_S", "420"))
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
+"""The server's context length: the fallback model's max_position_embeddings (the built-in
+model has 4096). Long enough that a "long" contract-test request outlives its abort."""
 
 
 def vllm_python() -> Path:
