@@ -92,10 +92,11 @@ class LongRoundQueue:
         return len(self.entries) >= size
 
     def expiring(self, step: int, max_staleness: int) -> bool:
-        """A withheld group with members is at its last step within ``max_staleness``: a
-        long round at ``step`` still completes it, one later would let its members go."""
+        """A withheld group with cut members (one :func:`open_long_round` would complete)
+        is at its last step within ``max_staleness``: a long round at ``step`` still
+        completes it, one later would let its members go."""
         return max_staleness > 0 and any(
-            e.members and step - e.queued_step == max_staleness for e in self.entries
+            e.cut and step - e.queued_step == max_staleness for e in self.entries
         )
 
     def take(self, size: int) -> list[QueuedPrompt]:
