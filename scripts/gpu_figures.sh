@@ -11,7 +11,8 @@
 #
 # Knobs (environment): PY (python3), DEVICE (cuda), SIZES ("0.5b 1.5b": builtin-qwen2-*
 # models built first), MODELS (more specs to sweep, e.g. random-tiny or a model directory),
-# BATCHES ("64 256 1024"), NEW_TOKENS (128), HBM_GBS (4800), RUN_EXTRAS (1), RUN_TESTS (1),
+# BATCHES ("64 256 1024"), NEW_TOKENS (128), HBM_GBS (4800), UNCOMPILED (1: each size
+# again without engine.hf.compile_layers), RUN_EXTRAS (1), RUN_TESTS (1),
 # TAILCUT_CACHE (/tmp/tailcut-cache: where the models are built, offline), DEADLINE_S (570:
 # the whole script ends by then, skipping or cutting what would run past it, so that a
 # 10-minute limit on the command still leaves the summary).
@@ -88,6 +89,10 @@ print(json.dumps({'path': str(r.path), 'cached': r.cached,
     cp "$OUT/build_$s.out" "$OUT/build_$s.json" 2>/dev/null
     # shellcheck disable=SC2086
     sweep "sweep_$s" 240 "builtin-qwen2-$s" --batch $BATCHES
+    if [ "${UNCOMPILED:-1}" = 1 ]; then  # the same without engine.hf.compile_layers
+        # shellcheck disable=SC2086
+        sweep "uncompiled_$s" 240 "builtin-qwen2-$s" --batch $BATCHES --no-compile
+    fi
     specs="$specs builtin-qwen2-$s"
 done
 for m in $MODELS; do

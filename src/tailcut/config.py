@@ -92,6 +92,11 @@ class HFEngineConfig(_Model):
     """On CUDA, replay the decode pass from CUDA graphs (one per bucket of rows x key
     columns, captured on first use); the KV cache is then allocated at full capacity up
     front. Ignored on CPU."""
+    compile_layers: bool | None = None
+    """Decode passes run each decoder layer compiled (``torch.compile``: its norms, rotary
+    embeddings and activations fused), the KV-cache write and attention eager
+    (``hf/compiled.py``); compiling takes seconds to a minute over the first passes.
+    None: where decode passes replay CUDA graphs (on CUDA with ``cuda_graphs``)."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -114,6 +114,7 @@ def attending(masks: SlotMasks) -> Iterator[SlotMasks]:
         _local.masks = outer
 
 
+@torch.compiler.disable
 def slot_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -157,11 +157,17 @@ class SlotKVCache:
         self._width = width
 
     @property
+    def decoding(self) -> bool:
+        """The next pass is a decode pass (one new token per running row)."""
+        return not self._prefill
+
+    @property
     def width(self) -> int:
         """Key columns the next pass attends over."""
         return self._width
 
     # -- the interface the model's attention layers call -------------------------------
+    @torch.compiler.disable
     def update(
         self,
         key_states: torch.Tensor,

@@ -13,6 +13,7 @@ which the runner switches the model for its lifetime; each pass hands it that pa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from tailcut.engine.hf import attention
 from tailcut.engine.hf.attention import SlotMasks
 from tailcut.engine.hf.cache import SlotKVCache
+from tailcut.engine.hf.compiled import CompiledLayers
 from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
 from tailcut.engine.hf.records import Live
 from tailcut.engine.hf.sampling import LogprobMode, sample_tokens
@@ -44,6 +46,7 @@ class PassRunner:
         graphs: bool,
         max_prefill_tokens: int,
         vocab_rows: int | None = None,
+        compile_layers: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -67,6 +70,15 @@ class PassRunner:
             attention.attach(model)
         except ValueError as exc:
             raise UnsupportedModel(describe(model.config, type(model).__name__), str(exc)) from None
+        self._compiled: CompiledLayers | None = None
+        if compile_layers:
+            try:
+                self._compiled = CompiledLayers(model)
+            except ValueError as exc:
+                attention.detach(model)
+                raise UnsupportedModel(
+                    describe(model.config, type(model).__name__), str(exc)
+                ) from None
         self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
         try:
             self.probe()
@@ -77,7 +89,13 @@ class PassRunner:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: SlotMasks) -> torch.Tensor:
         """Logits of each row's last column (a decode pass: one column per row). The 4-D
         mask only makes transformers' mask builders return at once (``hf/attention.py``)."""
-        with attention.attending(masks):
+        layers = self._compiled
+        compiled = (
+            layers.decoding()
+            if layers is not None and self._cache.decoding
+            else contextlib.nullcontext()
+        )
+        with attention.attending(masks), compiled:
             out = self._model(
                 input_ids=ids,
                 position_ids=pos,
@@ -91,6 +109,8 @@ class PassRunner:
         """Take the LM-head hook off the model and give it back its own attention (the
         model may outlive the engine)."""
         self._hook.remove()
+        if self._compiled is not None:
+            self._compiled.close()
         attention.detach(self._model)
 
     def probe(self, tokens: int = 6, steps: int = 2) -> None:

@@ -63,6 +63,7 @@ class SlotWorker:
         self._runner = PassRunner(
             model, self._cache, cache_kwarg=cache_kwarg, logprob_mode=cfg.logprobs,
             graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens, vocab_rows=vocab_rows,
+            compile_layers=graphs if cfg.compile_layers is None else cfg.compile_layers,
         )  # fmt: skip
         self._memory = EngineMemory(model, self._cache, self._runner.decoder)
         self._released = False

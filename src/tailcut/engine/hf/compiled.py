@@ -1,0 +1,93 @@
+"""Decoder layers compiled for decode passes, the cache write and attention left eager.
+
+A decode pass of a small model is a long row of small kernels: per layer the model's own
+code launches its norms, rotary embeddings, activations and residual adds one elementwise
+kernel at a time (about 30 beside the GEMMs and attention), and each costs its launch on
+the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compiles each
+decoder layer's own ``forward`` (``torch.compile``, inductor, dynamic batch) so that those
+run as a few fused kernels, and leaves eager the two places the engine owns:
+
+* the slot cache's ``update`` (an in-place write at each row's column: compiled, inductor
+  turns it into a copy of the layer's whole cache), and
+* the attention function (``hf/attention.py``: it reads the pass's masks from its thread).
+
+Both are ``torch.compiler.disable``-d, so the compiled layer stops before them and resumes
+after — the piecewise split serving engines make at attention. Prefill passes (variable
+prompt widths, eager) run the layer's uncompiled ``forward``; decode passes — replayed
+from CUDA graphs, whose capture records the compiled kernels as any others — run the
+compiled one. The layers' code, and so every family's arithmetic, stays the model's own;
+only the fusion differs (float rounding within a fused kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The text model's decoder layers: the longest ``ModuleList`` of ``*DecoderLayer``
+    modules (``model.model.layers`` in most families). Raises ``ValueError`` if none."""
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) > len(best)
+            and all(type(m).__name__.endswith("DecoderLayer") for m in module)
+        ):
+            best = list(module)
+    if not best:
+        raise ValueError(f"{type(model).__name__} has no list of *DecoderLayer modules to compile")
+    return best
+
+
+class CompiledLayers:
+    """Gives each decoder layer of ``model`` a compiled ``forward`` that runs within
+    :meth:`decoding` blocks on the thread that opened them (any other call — a prefill,
+    the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it."""
+
+    def __init__(self, model: Any) -> None:
+        self.layers = decoder_layers(model)
+        self._local = threading.local()
+        # Each layer's attention passes its own index to the (eager) cache write, a
+        # constant dynamo guards on: one entry per layer and shape class (batch 1 or more)
+        # of the same code. Let them all compile rather than fall back to eager after 8
+        # (dynamo's limits are per thread: set for each pass, on the thread running it).
+        self._limits = {
+            "recompile_limit": 4 * len(self.layers),
+            "accumulated_recompile_limit": 32 * len(self.layers),
+        }
+        for layer in self.layers:
+            eager = layer.forward
+            compiled = torch.compile(eager, dynamic=True)
+            layer.forward = self._switch(eager, compiled)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        dynamo = torch._dynamo.config
+        limits = {k: max(v, getattr(dynamo, k)) for k, v in self._limits.items()}
+        self._local.on = True
+        try:
+            with dynamo.patch(**limits):
+                yield
+        finally:
+            self._local.on = False
+
+    def _switch(
+        self, eager: Callable[..., Any], compiled: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        local = self._local
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return (compiled if getattr(local, "on", False) else eager)(*args, **kwargs)
+
+        return forward
+
+    def close(self) -> None:
+        for layer in self.layers:
+            if "forward" in vars(layer):
+                del layer.forward

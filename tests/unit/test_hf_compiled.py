@@ -1,0 +1,60 @@
+"""``engine.hf.compile_layers`` on CPU (inductor's C++ backend): decode passes run the
+compiled decoder layers, the cache write and attention stay eager, and the engine's tokens
+and log-probs stay those of the model's own forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
+
+from fakes.hf_runs import full_forward_logits, hf_greedy, made_up_prompt, run_engine  # noqa: E402
+from tailcut.engine.hf import HFEngine  # noqa: E402
+from tailcut.engine.hf.compiled import CompiledLayers, decoder_layers  # noqa: E402
+from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
+
+
+def _req(p: list[int], n: int, **sp: Any) -> GenerateRequest:
+    return GenerateRequest(new_request_id("cl"), p, SamplingParams(max_new_tokens=n, **sp))
+
+
+def test_compiled_decode_passes_keep_tokens_and_logprobs_and_the_layers_come_back() -> None:
+    model = tiny_qwen2(seed=3)
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and all("forward" not in vars(x) for x in layers)
+    prompts = [made_up_prompt(i, 3 + 4 * i, VOCAB, 37, 11) for i in range(5)]
+    budgets = [14, 6, 11, 9, 16]
+    torch._dynamo.reset()
+    compiled_frames: list[int] = []
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        assert all("forward" in vars(x) for x in layers)  # switched while the engine holds them
+        greedy = [
+            engine.generate(_req(p, n, temperature=0.0))
+            for p, n in zip(prompts, budgets, strict=True)
+        ]
+        sampled = engine.generate(_req(prompts[0], 12, temperature=0.9, seed=5, ignore_eos=True))
+        out = list(await asyncio.gather(*greedy, sampled))
+        compiled_frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return out
+
+    results = run_engine(model, body, slots=3, compile_layers=True, timeout_s=600.0)
+    assert compiled_frames[0] >= 2  # the layer's code before and after its eager attention
+    assert all("forward" not in vars(x) for x in layers)  # given back at close
+    for p, n, r in zip(prompts, budgets, results, strict=False):
+        assert r.output_ids == hf_greedy(model, p, n)
+    last = results[-1]
+    logits = full_forward_logits(model, prompts[0], last.output_ids)
+    want = torch.log_softmax(logits / 0.9, dim=-1).gather(1, torch.tensor(last.output_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(last.logprobs), want.squeeze(1), atol=2e-4, rtol=1e-4)
+
+
+def test_a_model_without_decoder_layers_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="Linear has no list of \\*DecoderLayer modules"):
+        CompiledLayers(torch.nn.Linear(2, 2))
