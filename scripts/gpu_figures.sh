@@ -155,6 +155,9 @@ for f in sorted(out.glob("*.json")):
                 f"(KV {gb(b['kv_cache_bytes'])}) | sampled rows {b['vocab_rows']:,}")
         p = b.get("profile")
         if p:
+            if p.get("launch_floor_ms_per_pass") is not None:
+                line += (f"\n          {p['kernels_per_pass']:.0f} kernels a pass, launch floor "
+                         f"{p['launch_floor_us_per_kernel']:.2f} us each = {p['launch_floor_ms_per_pass']:.2f} ms a pass")
             line += (f"\n          profiled: device busy {p['device_busy_ms_per_pass']:.2f} ms of "
                      f"{p['wall_ms_per_pass']:.2f} ms a pass; top kernels: "
                      + "; ".join(f"{k['name'][:60]} {k['ms']:.1f} ms/{k['calls']}" for k in p["kernels"][:6]))

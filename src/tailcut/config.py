@@ -97,6 +97,11 @@ class HFEngineConfig(_Model):
     embeddings and activations fused), the KV-cache write and attention eager
     (``hf/compiled.py``); compiling takes seconds to a minute over the first passes.
     None: where decode passes replay CUDA graphs (on CUDA with ``cuda_graphs``)."""
+    fuse_projections: bool | None = None
+    """In the engine's passes, each attention layer's q/k/v projections run as one GEMM
+    and each gated MLP's gate/up projections as one (their weights laid end to end, the
+    parameters views of them: ``hf/fused.py``). None: where decode passes replay CUDA
+    graphs."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -3,7 +3,9 @@
 replayed from CUDA graphs (padded row and column buckets) give ``model.generate``'s greedy
 tokens and a full forward pass's log-probs (Mixtral and Qwen3-MoE in float32 decode eagerly:
 their grouped expert matmuls cannot be captured); bf16 Gemma 2 and Qwen3-MoE pass the
-load-time probe and their graph replays give the eager tokens."""
+load-time probe and their graph replays give the eager tokens (the same kernels: compiled
+layers and fused projections off in both — in bf16 those round differently, and a greedy
+near-tie of a random model can flip; the fp32 test above covers them)."""
 
 from __future__ import annotations
 
@@ -80,7 +82,9 @@ def test_bf16_passes_the_probe_and_graphs_give_the_eager_tokens(family: str) -> 
     ps = [list(range(3 + i, 40 + 7 * i)) for i in range(5)]
 
     async def main(graphs: bool) -> tuple[list[list[int]], int]:
-        cfg = HFEngineConfig(max_seq_len=512, cuda_graphs=graphs)
+        cfg = HFEngineConfig(
+            max_seq_len=512, cuda_graphs=graphs, compile_layers=False, fuse_projections=False
+        )
         engine = HFEngine(model, cfg, max_batch_size=8, eos_ids=())
         try:
             jobs = [engine.generate(req(p, 48, temperature=0.0)) for p in ps]

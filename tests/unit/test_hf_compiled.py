@@ -1,6 +1,7 @@
-"""``engine.hf.compile_layers`` on CPU (inductor's C++ backend): decode passes run the
-compiled decoder layers, the cache write and attention stay eager, and the engine's tokens
-and log-probs stay those of the model's own forward pass."""
+"""``engine.hf.compile_layers`` on CPU (inductor's C++ backend), with the fused projections
+as on CUDA: decode passes run the compiled decoder layers, the cache write and attention
+stay eager, and the engine's tokens and log-probs stay those of the model's own forward
+pass."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def test_compiled_decode_passes_keep_tokens_and_logprobs_and_the_layers_come_bac
         compiled_frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return out
 
-    results = run_engine(model, body, slots=3, compile_layers=True, timeout_s=600.0)
+    results = run_engine(
+        model, body, slots=3, compile_layers=True, fuse_projections=True, timeout_s=600.0
+    )
     assert compiled_frames[0] >= 2  # the layer's code before and after its eager attention
     assert all("forward" not in vars(x) for x in layers)  # given back at close
     for p, n, r in zip(prompts, budgets, results, strict=False):

@@ -62,7 +62,8 @@ def prompt(i: int, length: int) -> list[int]:
 
 def test_greedy_tokens_equal_model_generate_past_the_window(model: Any) -> None:
     """A ragged batch whose members join and leave (slots reused, rows moved), prompts
-    shorter and longer than the window, generations well past it."""
+    shorter and longer than the window, generations well past it; the projections fused
+    (``hf/fused.py``) as on CUDA, where the family has q/k/v or gate/up layers."""
     prompts = [prompt(i, n) for i, n in enumerate((3, 11, 5, 20, 2))]
     budgets = [16, 5, 19, 12, 14]
     assert max(budgets) > 2 * WINDOW
@@ -79,7 +80,7 @@ def test_greedy_tokens_equal_model_generate_past_the_window(model: Any) -> None:
         ]
         return list(await asyncio.gather(*first, *later))
 
-    results = run(model, body, slots=3)
+    results = run(model, body, slots=3, fuse_projections=True)
     assert model.config._attn_implementation != NAME  # given back at close
     for p, n, r in zip(prompts, budgets, results, strict=True):
         assert r.output_ids == hf_greedy(model, p, n)
@@ -146,7 +147,7 @@ def test_a_weight_update_switches_to_the_new_weights(model: Any) -> None:
         await engine.update_weights(other.state_dict(), version=3)
         return await engine.generate(req(p, 12, temperature=0.0))
 
-    result = run(mine, body)
+    result = run(mine, body, fuse_projections=True)  # updates write through the fused views
     assert result.weight_version == 3
     assert result.output_ids == hf_greedy(other, p, 12)
 

@@ -142,10 +142,13 @@ async def measure_batch(
     return figures
 
 
-async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 12) -> dict[str, Any]:
+async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 40) -> dict[str, Any]:
     """One more run of the same requests under ``torch.profiler``: the device's busy time
     per decode pass (every kernel, graph replays included) beside the pass's wall time, and
-    the kernels that take most of it — where a pass's time goes."""
+    the kernels that take most of it — where a pass's time goes. On CUDA also the kernels
+    a pass launches (prefill and sampling kernels spread over the passes) and the launch
+    floor: that many kernels replayed from a CUDA graph, each doing nothing of note
+    (:func:`launch_floor_us`), take at least ``launch_floor_ms_per_pass``."""
     from torch.profiler import ProfilerActivity, profile
 
     c = engine.counters
@@ -159,8 +162,13 @@ async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 12) -> dic
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     busy_us = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    per_pass = sum(e.count for e in events) / max(1, passes)
+    floor = launch_floor_us() if events else None
     return {
         "decode_passes": passes,
+        "kernels_per_pass": per_pass,
+        "launch_floor_us_per_kernel": floor,
+        "launch_floor_ms_per_pass": None if floor is None else per_pass * floor / 1000,
         "wall_ms_per_pass": 1000 * seconds / max(1, passes),
         "device_busy_ms_per_pass": busy_us / 1000 / max(1, passes),
         "kernels": [
@@ -168,6 +176,30 @@ async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 12) -> dic
             for e in events[:top]
         ],
     }
+
+
+def launch_floor_us(kernels: int = 2000, replays: int = 20) -> float:
+    """Microseconds a kernel costs at the least when replayed from a CUDA graph: a graph
+    of ``kernels`` one-element adds, replayed ``replays`` times (after one warm-up)."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        x.add_(1)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(kernels):
+                x.add_(1)
+    torch.cuda.synchronize()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / (kernels * replays)
 
 
 async def _release_resume(engine: Any, wl: Workload) -> dict[str, Any]:
@@ -298,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--full-vocab", action="store_true", help="sample all rows of the head")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--no-compile", action="store_true", help="engine.hf.compile_layers=false")
+    ap.add_argument("--no-fuse", action="store_true", help="engine.hf.fuse_projections=false")
     ap.add_argument("--no-release", action="store_true")
     ap.add_argument("--profile", action="store_true", help="where a decode pass's time goes")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -306,12 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     options: dict[str, Any] = {
         "cuda_graphs": not a.no_graphs,
         "compile_layers": False if a.no_compile else None,
+        "fuse_projections": False if a.no_fuse else None,
     }
     if a.full_vocab:
         options["vocab_rows"] = 1 << 30  # capped at the head's rows by the engine
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
-        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else "") + (" (uncompiled)" if a.no_compile else ""),
+        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else "") + (" (uncompiled)" if a.no_compile else "") + (" (unfused)" if a.no_fuse else ""),
         engine_options=options, out=a.out, profile=a.profile,
     )  # fmt: skip
 

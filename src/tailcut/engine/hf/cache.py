@@ -167,7 +167,6 @@ class SlotKVCache:
         return self._width
 
     # -- the interface the model's attention layers call -------------------------------
-    @torch.compiler.disable
     def update(
         self,
         key_states: torch.Tensor,
@@ -176,18 +175,35 @@ class SlotKVCache:
         *_: Any,
         **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.buf[layer_idx]
         if self._prefill:
-            lo, hi, start = self._first, self._first + self._rows, self._start
-            end = start + key_states.shape[2]
-            layer[0, lo:hi, :, start:end] = key_states
-            layer[1, lo:hi, :, start:end] = value_states
-            if start == 0:
-                return key_states, value_states
-            return layer[0, lo:hi, :, :end], layer[1, lo:hi, :, :end]
-        rows = self._row_index[: self._rows]
-        layer[0, rows, :, self._cols] = key_states[:, :, 0]
-        layer[1, rows, :, self._cols] = value_states[:, :, 0]
+            return self._write_prefill(key_states, value_states, layer_idx)
+        # A decode pass writes each row's new key and value with one indexed store: stacked
+        # here — inside a compiled layer (``hf/compiled.py``) the stack is the output of
+        # the kernel that computes the keys' rotary embedding — and stored by the eager
+        # ``_write_decode`` (a compiled in-place store into the cache becomes a copy).
+        return self._write_decode(
+            torch.stack((key_states[:, :, 0], value_states[:, :, 0]), 1), layer_idx
+        )
+
+    @torch.compiler.disable
+    def _write_prefill(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.buf[layer_idx]
+        lo, hi, start = self._first, self._first + self._rows, self._start
+        end = start + key_states.shape[2]
+        layer[0, lo:hi, :, start:end] = key_states
+        layer[1, lo:hi, :, start:end] = value_states
+        if start == 0:
+            return key_states, value_states
+        return layer[0, lo:hi, :, :end], layer[1, lo:hi, :, :end]
+
+    @torch.compiler.disable
+    def _write_decode(self, kv: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv [rows, 2, kv_heads, head_dim]``: each row's new key and value, stored at
+        its column; returns the keys and values the pass attends over."""
+        layer = self.buf[layer_idx]
+        layer[:, self._row_index[: self._rows], :, self._cols] = kv
         width = self._width
         return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
 

@@ -7,16 +7,21 @@ the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compi
 decoder layer's own ``forward`` (``torch.compile``, inductor, dynamic batch) so that those
 run as a few fused kernels, and leaves eager the two places the engine owns:
 
-* the slot cache's ``update`` (an in-place write at each row's column: compiled, inductor
+* the slot cache's store (an in-place write at each row's column: compiled, inductor
   turns it into a copy of the layer's whole cache), and
 * the attention function (``hf/attention.py``: it reads the pass's masks from its thread).
 
 Both are ``torch.compiler.disable``-d, so the compiled layer stops before them and resumes
-after — the piecewise split serving engines make at attention. Prefill passes (variable
+after — the piecewise split serving engines make at attention. The stop is made inside the
+cache's own ``update`` (dynamo's nested graph breaks, where the torch has them): the new
+keys and values are stacked in the kernel that computes the keys' rotary embedding, and
+one eager indexed store writes both (``hf/cache.py``). Prefill passes (variable
 prompt widths, eager) run the layer's uncompiled ``forward``; decode passes — replayed
 from CUDA graphs, whose capture records the compiled kernels as any others — run the
 compiled one. The layers' code, and so every family's arithmetic, stays the model's own;
-only the fusion differs (float rounding within a fused kernel).
+only the fusion differs (float rounding within a fused kernel). With
+``engine.hf.fuse_projections`` the q/k/v and gate/up projections inside are one GEMM each
+(``hf/fused.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ class CompiledLayers:
     def decoding(self) -> Iterator[None]:
         dynamo = torch._dynamo.config
         limits = {k: max(v, getattr(dynamo, k)) for k, v in self._limits.items()}
+        if hasattr(dynamo, "nested_graph_breaks"):
+            # the break at the cache write resumes inside the attention function, so the
+            # layer's first graph runs up to the write itself (``hf/cache.py``)
+            limits["nested_graph_breaks"] = True
         self._local.on = True
         try:
             with dynamo.patch(**limits):

@@ -41,17 +41,25 @@ def device_allocated(device: torch.device) -> int:
 
 
 class WeightOffload:
-    """Moves a model's parameters to host memory and back, in place (``param.data``).
+    """Moves a model's parameters to host memory and back, in place (``.data``).
 
-    Host copies are kept between steps (page-locked on CUDA, allocated on the first
-    offload), so later offloads are one device-to-host copy per parameter. Buffers (rotary
-    frequencies) stay on the device. A weight update while offloaded writes into the host
-    copies, which :meth:`restore` brings back; either order of sync and resume is correct.
+    Tensors that share one storage — tied parameters, the fused projections' views and
+    their fused tensor (``hf/fused.py``, passed as ``shared``) — move as that one storage
+    and stay views of it on either side. Host copies are kept between steps (page-locked
+    on CUDA, allocated on the first offload), so later offloads are one device-to-host
+    copy per storage. Buffers (rotary frequencies) stay on the device. A weight update
+    while offloaded writes into the host copies, which :meth:`restore` brings back; either
+    order of sync and resume is correct.
     """
 
-    def __init__(self, model: Any) -> None:
-        self._params = list(model.parameters())  # tied parameters once
-        self._device = self._params[0].device
+    def __init__(self, model: Any, shared: Sequence[torch.Tensor] = ()) -> None:
+        tensors = [*model.parameters(), *shared]  # tied parameters once
+        self._device = tensors[0].device
+        groups: dict[int, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        self._groups = list(groups.values())
+        self._params = list(model.parameters())
         self._host: list[torch.Tensor] = []
         self.offloaded = False
 
@@ -70,14 +78,15 @@ class WeightOffload:
 
     def _offload(self) -> None:
         pin = self._device.type == "cuda"
+        flats = [_flat(g[0]) for g in self._groups]
         if not self._host:
-            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self._params]
-        for p, host in zip(self._params, self._host, strict=True):
-            host.copy_(p.data, non_blocking=pin)
+            self._host = [torch.empty(f.numel(), dtype=f.dtype, pin_memory=pin) for f in flats]
+        for flat, host in zip(flats, self._host, strict=True):
+            host.copy_(flat, non_blocking=pin)
         if pin:
             torch.cuda.synchronize(self._device)
-        for p, host in zip(self._params, self._host, strict=True):
-            p.data = host  # the device storage goes with its last reference
+        for group, host in zip(self._groups, self._host, strict=True):
+            _repoint(group, host)  # the device storage goes with its last reference
 
     def restore(self) -> int:
         """Copy every parameter back to its device; returns the bytes moved."""
@@ -85,23 +94,42 @@ class WeightOffload:
             return 0
         pin = self._device.type == "cuda"
         with torch.inference_mode(False), torch.no_grad():
-            for p, host in zip(self._params, self._host, strict=True):
+            for group, host in zip(self._groups, self._host, strict=True):
                 # on the CPU, a fresh tensor: the host copy stays the offload's own buffer
-                p.data = host.to(self._device, non_blocking=pin, copy=True)
+                _repoint(group, host.to(self._device, non_blocking=pin, copy=True))
         if pin:
             torch.cuda.synchronize(self._device)
         self.offloaded = False
         return self.bytes
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as one flat byte tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _repoint(group: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Make each tensor of ``group`` the same view of ``flat`` (a copy of their storage's
+    bytes) that it was of its storage."""
+    views = [flat.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()) for t in group]
+    for t, view in zip(group, views, strict=True):
+        t.data = view
+
+
 class EngineMemory:
     """The releasable parts of one engine: its KV cache, decode graphs and weights (called
     on the worker thread, between passes, while no request runs)."""
 
-    def __init__(self, model: Any, cache: SlotKVCache, decoder: DecodeStep) -> None:
+    def __init__(
+        self,
+        model: Any,
+        cache: SlotKVCache,
+        decoder: DecodeStep,
+        shared: Sequence[torch.Tensor] = (),
+    ) -> None:
         self._cache = cache
         self._decoder = decoder
-        self._weights = WeightOffload(model)
+        self._weights = WeightOffload(model, shared)
         self._device = cache.shape.device
         self.released: frozenset[str] = frozenset()
 

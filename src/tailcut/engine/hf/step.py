@@ -24,6 +24,7 @@ from tailcut.engine.hf import attention
 from tailcut.engine.hf.attention import SlotMasks
 from tailcut.engine.hf.cache import SlotKVCache
 from tailcut.engine.hf.compiled import CompiledLayers
+from tailcut.engine.hf.fused import FusedProjections
 from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
 from tailcut.engine.hf.records import Live
 from tailcut.engine.hf.sampling import LogprobMode, sample_tokens
@@ -47,6 +48,7 @@ class PassRunner:
         max_prefill_tokens: int,
         vocab_rows: int | None = None,
         compile_layers: bool = False,
+        fuse_projections: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -70,11 +72,14 @@ class PassRunner:
             attention.attach(model)
         except ValueError as exc:
             raise UnsupportedModel(describe(model.config, type(model).__name__), str(exc)) from None
+        self._fused = FusedProjections(model) if fuse_projections else None
         self._compiled: CompiledLayers | None = None
         if compile_layers:
             try:
                 self._compiled = CompiledLayers(model)
             except ValueError as exc:
+                if self._fused is not None:
+                    self._fused.close()
                 attention.detach(model)
                 raise UnsupportedModel(
                     describe(model.config, type(model).__name__), str(exc)
@@ -89,13 +94,14 @@ class PassRunner:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: SlotMasks) -> torch.Tensor:
         """Logits of each row's last column (a decode pass: one column per row). The 4-D
         mask only makes transformers' mask builders return at once (``hf/attention.py``)."""
-        layers = self._compiled
+        layers, fused = self._compiled, self._fused
         compiled = (
             layers.decoding()
             if layers is not None and self._cache.decoding
             else contextlib.nullcontext()
         )
-        with attention.attending(masks), compiled:
+        fusing = fused.active() if fused is not None else contextlib.nullcontext()
+        with attention.attending(masks), compiled, fusing:
             out = self._model(
                 input_ids=ids,
                 position_ids=pos,
@@ -111,7 +117,15 @@ class PassRunner:
         self._hook.remove()
         if self._compiled is not None:
             self._compiled.close()
+        if self._fused is not None:
+            self._fused.close()
         attention.detach(self._model)
+
+    @property
+    def shared_weights(self) -> list[torch.Tensor]:
+        """Tensors that share storage with the model's parameters (the fused
+        projections', ``hf/fused.py``): they move with the weights."""
+        return self._fused.shared if self._fused is not None else []
 
     def probe(self, tokens: int = 6, steps: int = 2) -> None:
         """Refuse a model whose cached passes do not reproduce its own forward pass: a

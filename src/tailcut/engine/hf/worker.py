@@ -64,8 +64,11 @@ class SlotWorker:
             model, self._cache, cache_kwarg=cache_kwarg, logprob_mode=cfg.logprobs,
             graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens, vocab_rows=vocab_rows,
             compile_layers=graphs if cfg.compile_layers is None else cfg.compile_layers,
+            fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
         )  # fmt: skip
-        self._memory = EngineMemory(model, self._cache, self._runner.decoder)
+        self._memory = EngineMemory(
+            model, self._cache, self._runner.decoder, self._runner.shared_weights
+        )
         self._released = False
         """Some memory is released: requests are refused until it is all resumed."""
         self.slots = slots

@@ -1,0 +1,163 @@
+"""Projections of one input fused into one GEMM in the engine's passes.
+
+Most families compute an attention layer's queries, keys and values with three ``Linear``
+layers of the same hidden states, and a gated MLP's gate and up projections with two: in
+a decode pass at batch 64 each is a skinny GEMM whose cost is mostly its launch and its
+walk over a small weight (the key and value projections of a GQA model are a sixth of the
+query's). :class:`FusedProjections` lays each such group's weights (and biases) end to end
+in one tensor at load, the layers' own parameters becoming views of its rows — names,
+shapes, in-place weight updates (``update_weights`` writes through the views) and
+``parameters()`` are unchanged. In the engine's passes the first member a layer calls
+computes the whole group's GEMM once and keeps it; each other member takes its columns of
+it when it is called on the same input tensor (the identity is checked: any other input
+computes its own), and the last one drops it. Inside a compiled decoder layer
+(``hf/compiled.py``) the same code traces to one GEMM and the slices, which inductor fuses
+into the next elementwise kernel (the MLP's ``act(gate) * up``).
+
+Outside the engine's passes (the caller's own ``generate`` on the same model, another
+thread) each layer runs its own ``forward``. :meth:`FusedProjections.close` gives every
+weight its own storage back, so the model leaves the engine laid out as it came.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Attribute names of the ``Linear`` layers of one module that read one input."""
+
+
+def _fusable(linears: list[Any]) -> bool:
+    """Plain ``Linear`` layers of one input width, dtype and device, all with a bias or
+    none, each weight owning its whole storage (nothing tied to or viewing it)."""
+    if not all(type(x) is torch.nn.Linear for x in linears):
+        return False
+    first = linears[0].weight
+    for lin in linears:
+        w, b = lin.weight, lin.bias
+        if (w.shape[1], w.dtype, w.device) != (first.shape[1], first.dtype, first.device):
+            return False
+        if (b is None) != (linears[0].bias is None) or not w.is_contiguous():
+            return False
+        for t in (w,) if b is None else (w, b):
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                return False
+    return True
+
+
+class _Group:
+    """One fused group: its weight (and bias) tensor, the members' row ranges, and the
+    output of the group's latest GEMM until every member has taken its columns."""
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        self.linears = linears
+        self.bounds: list[tuple[int, int]] = []
+        lo = 0
+        for lin in linears:
+            self.bounds.append((lo, lo + lin.out_features))
+            lo += lin.out_features
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, not inference ones
+            self.weight = torch.cat([x.weight.detach() for x in linears])
+            self.bias: torch.Tensor | None = None
+            if linears[0].bias is not None:
+                self.bias = torch.cat([x.bias.detach() for x in linears if x.bias is not None])
+            for lin, (a, b) in zip(linears, self.bounds, strict=True):
+                lin.weight.data = self.weight[a:b]
+                if self.bias is not None:
+                    lin.bias.data = self.bias[a:b]
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.left = 0
+
+    def columns(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Member ``index``'s output for ``x``: its columns of the group's GEMM over ``x``
+        (computed by the first member called on ``x``, dropped after the last)."""
+        if self.left == 0 or self.input is not x:
+            self.output = F.linear(x, self.weight, self.bias)
+            self.input = x
+            self.left = len(self.linears)
+        out = self.output
+        assert out is not None
+        self.left -= 1
+        if self.left == 0:
+            self.input = self.output = None
+        lo, hi = self.bounds[index]
+        return out[..., lo:hi]
+
+    def unfuse(self) -> None:
+        """Give each member's weight (and bias) its own storage again."""
+        with torch.inference_mode(False), torch.no_grad():
+            for lin in self.linears:
+                lin.weight.data = lin.weight.data.clone()
+                if lin.bias is not None:
+                    lin.bias.data = lin.bias.data.clone()
+        self.input = self.output = None
+        self.left = 0
+
+
+class FusedProjections:
+    """Fuses every :data:`GROUPS` group of ``model`` that :func:`_fusable` allows; the
+    fused GEMMs run within :meth:`active` blocks on the thread that opened them (and in
+    code that ``torch.compile`` traces: compiled decoder layers run only there).
+    :meth:`close` undoes it."""
+
+    def __init__(self, model: Any) -> None:
+        self._local = threading.local()
+        self.groups: list[_Group] = []
+        for module in model.modules():
+            for names in GROUPS:
+                linears: list[Any] = [getattr(module, n, None) for n in names]
+                if all(x is not None for x in linears) and _fusable(linears):
+                    self._install(_Group(linears))
+
+    def _install(self, group: _Group) -> None:
+        self.groups.append(group)
+        for index, lin in enumerate(group.linears):
+            # an instance attribute over the class's method, deleted again at close
+            setattr(lin, "forward", self._switch(lin.forward, group, index))  # noqa: B010
+
+    def _switch(
+        self, own: Callable[[torch.Tensor], torch.Tensor], group: _Group, index: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        local = self._local
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling() or getattr(local, "on", False):
+                return group.columns(x, index)
+            return own(x)
+
+        return forward
+
+    @property
+    def shared(self) -> list[torch.Tensor]:
+        """The fused tensors (the members' parameters are views of them): what must move
+        with those parameters when the weights leave the device (``hf/memory.py``)."""
+        out: list[torch.Tensor] = []
+        for g in self.groups:
+            out.append(g.weight)
+            if g.bias is not None:
+                out.append(g.bias)
+        return out
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        outer = getattr(self._local, "on", False)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = outer
+
+    def close(self) -> None:
+        for group in self.groups:
+            for lin in group.linears:
+                if "forward" in vars(lin):
+                    del lin.forward
+            group.unfuse()
+        self.groups.clear()

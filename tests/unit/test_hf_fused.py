@@ -1,0 +1,140 @@
+"""``engine.hf.fuse_projections`` on CPU: q/k/v and gate/up run as one GEMM each in the
+engine's passes, the parameters stay the model's (views of the fused tensors: names, weight
+updates and release/resume unchanged), and tokens and log-probs stay those of the model's
+own forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from fakes.hf_runs import full_forward_logits, hf_greedy, made_up_prompt, run_engine  # noqa: E402
+from tailcut.engine.hf import HFEngine  # noqa: E402
+from tailcut.engine.hf.fused import FusedProjections  # noqa: E402
+from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
+
+PROMPTS = [made_up_prompt(i, 3 + 4 * i, VOCAB, 29, 5) for i in range(4)]
+
+
+def _req(p: list[int], n: int, **sp: Any) -> GenerateRequest:
+    return GenerateRequest(new_request_id("fz"), p, SamplingParams(max_new_tokens=n, **sp))
+
+
+def _members(model: Any) -> list[list[torch.Tensor]]:
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias],
+        [mlp.gate_proj.weight, mlp.up_proj.weight],
+    ]
+
+
+def _end_to_end(group: list[torch.Tensor]) -> bool:
+    """The tensors are consecutive blocks of one storage."""
+    base = group[0].untyped_storage().data_ptr()
+    offset = 0
+    for t in group:
+        if t.untyped_storage().data_ptr() != base or t.storage_offset() != offset:
+            return False
+        offset += t.numel()
+    return True
+
+
+class _Gemms(TorchDispatchMode):
+    """Counts the matrix products that run (``Linear`` is ``addmm``, ``mm`` or ``matmul``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_passes_keep_tokens_and_logprobs_and_the_model_comes_back_as_it_was() -> None:
+    model = tiny_qwen2(seed=4)
+    names = [n for n, _ in model.named_parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    budgets = [12, 7, 15, 9]
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        assert all(_end_to_end(g) for g in _members(model))
+        assert [n for n, _ in model.named_parameters()] == names
+        greedy = [
+            engine.generate(_req(p, n, temperature=0.0))
+            for p, n in zip(PROMPTS, budgets, strict=True)
+        ]
+        sampled = engine.generate(_req(PROMPTS[1], 10, temperature=0.8, seed=2, ignore_eos=True))
+        return list(await asyncio.gather(*greedy, sampled))
+
+    results = run_engine(model, body, slots=3, fuse_projections=True)
+    for group in _members(model):  # each weight owns its storage again
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in group)
+    assert all("forward" not in vars(m) for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for p, n, r in zip(PROMPTS, budgets, results, strict=False):
+        assert r.output_ids == hf_greedy(model, p, n)
+    last = results[-1]
+    logits = full_forward_logits(model, PROMPTS[1], last.output_ids)
+    want = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(last.output_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(last.logprobs), want.squeeze(1), atol=2e-4, rtol=1e-4)
+
+
+def test_a_fused_group_runs_one_gemm_and_only_inside_the_engines_passes() -> None:
+    model = tiny_qwen2(seed=1)
+    layers = len(model.model.layers)
+    x = torch.randn(3, 5, model.config.hidden_size)
+    fused = FusedProjections(model)
+    try:
+        assert len(fused.groups) == 2 * layers
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        with torch.no_grad():
+            own = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
+            with _Gemms() as outside:
+                model(torch.tensor([PROMPTS[2]]))
+            with fused.active(), _Gemms() as inside:
+                got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+                got += [mlp.gate_proj(x), mlp.up_proj(x)]
+                model(torch.tensor([PROMPTS[2]]))
+        for a, b in zip(got, own, strict=True):
+            torch.testing.assert_close(a, b)
+        # each group's GEMM is dropped after its last member took its columns
+        assert all(g.output is None for g in fused.groups)
+        # per layer: q, k, v, o, gate, up, down (7) against qkv, o, gate_up, down (4);
+        # the head is one more, and the 2 + 1 products of the direct calls above
+        assert outside.count == 7 * layers + 1
+        assert inside.count == 4 * layers + 1 + 2
+    finally:
+        fused.close()
+
+
+def test_weight_updates_and_release_resume_write_through_the_fused_views() -> None:
+    mine, other = tiny_qwen2(seed=0), tiny_qwen2(seed=9)
+    p = PROMPTS[3]
+
+    async def body(engine: HFEngine) -> tuple[GenerateResult, GenerateResult]:
+        await engine.update_weights(other.state_dict(), version=2)
+        synced = await engine.generate(_req(p, 12, temperature=0.0))
+        report = await engine.release_memory()
+        assert report.weight_bytes == sum(t.numel() * t.element_size() for t in mine.parameters())
+        assert all(_end_to_end(g) for g in _members(mine))  # views of the host copy
+        await engine.resume_memory()
+        assert all(_end_to_end(g) for g in _members(mine))
+        return synced, await engine.generate(_req(p, 12, temperature=0.0))
+
+    synced, resumed = run_engine(mine, body, slots=2, fuse_projections=True)
+    want = hf_greedy(other, p, 12)
+    assert synced.output_ids == want and resumed.output_ids == want
+    assert synced.weight_version == 2
