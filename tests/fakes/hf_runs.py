@@ -79,3 +79,25 @@ def full_forward_logits(model: Any, prompt_ids: list[int], output_ids: list[int]
     with torch.no_grad():
         logits = model(ids).logits[0]
     return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
+
+
+def check_greedy_then_sampled(
+    model: Any,
+    prompts: Sequence[list[int]],
+    budgets: Sequence[int],
+    results: Sequence[Any],
+    sampled: tuple[list[int], float],
+) -> None:
+    """``results``: greedy runs of ``prompts`` (``budgets`` tokens each), then one run of
+    ``sampled = (prompt, temperature)``. The greedy tokens are ``model.generate``'s; the
+    sampled run's log-probs are the temperature-scaled ones of one plain forward pass."""
+    import torch
+
+    for p, n, r in zip(prompts, budgets, results, strict=False):
+        assert r.output_ids == hf_greedy(model, p, n)
+    prompt, temperature = sampled
+    last = results[len(prompts)]
+    logits = full_forward_logits(model, prompt, last.output_ids)
+    picked = torch.tensor(last.output_ids)[:, None]
+    want = torch.log_softmax(logits / temperature, dim=-1).gather(1, picked).squeeze(1)
+    torch.testing.assert_close(torch.tensor(last.logprobs), want, atol=2e-4, rtol=1e-4)

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
 
-from fakes.hf_runs import full_forward_logits, hf_greedy, made_up_prompt, run_engine  # noqa: E402
+from fakes.hf_runs import check_greedy_then_sampled, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.compiled import CompiledLayers, decoder_layers  # noqa: E402
 from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
@@ -50,12 +50,7 @@ def test_compiled_decode_passes_keep_tokens_and_logprobs_and_the_layers_come_bac
     )
     assert compiled_frames[0] >= 2  # the layer's code before and after its eager attention
     assert all("forward" not in vars(x) for x in layers)  # given back at close
-    for p, n, r in zip(prompts, budgets, results, strict=False):
-        assert r.output_ids == hf_greedy(model, p, n)
-    last = results[-1]
-    logits = full_forward_logits(model, prompts[0], last.output_ids)
-    want = torch.log_softmax(logits / 0.9, dim=-1).gather(1, torch.tensor(last.output_ids)[:, None])
-    torch.testing.assert_close(torch.tensor(last.logprobs), want.squeeze(1), atol=2e-4, rtol=1e-4)
+    check_greedy_then_sampled(model, prompts, budgets, results, (prompts[0], 0.9))
 
 
 def test_a_model_without_decoder_layers_is_refused_by_name() -> None:

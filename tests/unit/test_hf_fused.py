@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from fakes.hf_runs import full_forward_logits, hf_greedy, made_up_prompt, run_engine  # noqa: E402
+from fakes.hf_runs import check_greedy_then_sampled, hf_greedy, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.fused import FusedProjections  # noqa: E402
 from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
@@ -84,12 +84,7 @@ def test_fused_passes_keep_tokens_and_logprobs_and_the_model_comes_back_as_it_wa
     assert all("forward" not in vars(m) for m in model.modules())
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
-    for p, n, r in zip(PROMPTS, budgets, results, strict=False):
-        assert r.output_ids == hf_greedy(model, p, n)
-    last = results[-1]
-    logits = full_forward_logits(model, PROMPTS[1], last.output_ids)
-    want = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(last.output_ids)[:, None])
-    torch.testing.assert_close(torch.tensor(last.logprobs), want.squeeze(1), atol=2e-4, rtol=1e-4)
+    check_greedy_then_sampled(model, PROMPTS, budgets, results, (PROMPTS[1], 0.8))
 
 
 def test_a_fused_group_runs_one_gemm_and_only_inside_the_engines_passes() -> None:

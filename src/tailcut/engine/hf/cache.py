@@ -94,8 +94,10 @@ class SlotKVCache:
         self._rows = 0
         self._width = 0
         self._start = 0
-        self._cols = torch.zeros(0, dtype=torch.long, device=shape.device)
-        self._row_index = torch.arange(shape.slots, device=shape.device)
+        self._targets = torch.zeros(0, dtype=torch.long, device=shape.device)
+        self._heads = torch.arange(shape.slots * shape.kv_heads, device=shape.device).view(
+            shape.slots, shape.kv_heads
+        )
 
     def _alloc(self, columns: int) -> torch.Tensor:
         s = self.shape
@@ -153,7 +155,9 @@ class SlotKVCache:
         self._reserve(width)
         self._prefill = False
         self._rows = int(ends.shape[0])
-        self._cols = ends
+        # where each (row, kv head)'s new key lands in a layer's keys seen as one column
+        # list: ``(slot * kv_heads + head) * capacity + column`` (the same for values)
+        self._targets = (self._heads[: self._rows] * self.buf.shape[4] + ends[:, None]).view(-1)
         self._width = width
 
     @property
@@ -182,7 +186,7 @@ class SlotKVCache:
         # the kernel that computes the keys' rotary embedding — and stored by the eager
         # ``_write_decode`` (a compiled in-place store into the cache becomes a copy).
         return self._write_decode(
-            torch.stack((key_states[:, :, 0], value_states[:, :, 0]), 1), layer_idx
+            torch.stack((key_states[:, :, 0], value_states[:, :, 0])), layer_idx
         )
 
     @torch.compiler.disable
@@ -200,10 +204,13 @@ class SlotKVCache:
 
     @torch.compiler.disable
     def _write_decode(self, kv: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv [rows, 2, kv_heads, head_dim]``: each row's new key and value, stored at
-        its column; returns the keys and values the pass attends over."""
+        """``kv [2, rows, kv_heads, head_dim]``: each row's new key and value, stored at
+        its column (one ``index_copy_``: ``begin_decode`` made the targets); returns the keys
+        and values the pass attends over."""
         layer = self.buf[layer_idx]
-        layer[:, self._row_index[: self._rows], :, self._cols] = kv
+        s = self.shape
+        columns = layer.view(2, s.slots * s.kv_heads * layer.shape[3], s.head_dim)
+        columns.index_copy_(1, self._targets, kv.reshape(2, -1, s.head_dim))
         width = self._width
         return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
 
