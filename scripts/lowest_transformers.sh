@@ -45,6 +45,7 @@ PY
 start=$SECONDS
 pytest() { timeout "${LOWEST_TIMEOUT_S:-600}" "$PY" -m pytest -q -p no:cacheprovider "$@"; }
 pytest tests/unit/test_hf_engine.py tests/unit/test_hf_batching.py tests/unit/test_hf_families.py \
+  tests/unit/test_hf_fused.py tests/unit/test_hf_compiled.py \
   tests/unit/test_chat_template.py tests/unit/test_chat_tokenize.py \
   tests/unit/test_chat_families.py tests/unit/test_tool_formats.py \
   tests/integration/test_train_families.py
