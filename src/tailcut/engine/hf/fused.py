@@ -34,16 +34,19 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _fusable(linears: list[Any]) -> bool:
-    """Plain ``Linear`` layers of one input width, dtype and device, all with a bias or
-    none, each weight owning its whole storage (nothing tied to or viewing it)."""
-    if not all(type(x) is torch.nn.Linear for x in linears):
+    """Plain ``Linear`` layers of one input width, dtype and device, all with a bias (of
+    one dtype) or none, no ``forward`` of their own on the instance (another library's
+    hook), each weight owning its whole storage (nothing tied to or viewing it)."""
+    if not all(type(x) is torch.nn.Linear and "forward" not in vars(x) for x in linears):
         return False
-    first = linears[0].weight
+    first, bias = linears[0].weight, linears[0].bias
     for lin in linears:
         w, b = lin.weight, lin.bias
         if (w.shape[1], w.dtype, w.device) != (first.shape[1], first.dtype, first.device):
             return False
-        if (b is None) != (linears[0].bias is None) or not w.is_contiguous():
+        if (b is None) != (bias is None) or not w.is_contiguous():
+            return False
+        if b is not None and bias is not None and b.dtype != bias.dtype:
             return False
         for t in (w,) if b is None else (w, b):
             if t.untyped_storage().nbytes() != t.numel() * t.element_size():
@@ -91,30 +94,37 @@ class _Group:
         return out[..., lo:hi]
 
     def unfuse(self) -> None:
-        """Give each member's weight (and bias) its own storage again."""
+        """Give each member's weight (and bias) its own storage again, and free the fused
+        ones (whoever still holds the fused tensors holds empty ones)."""
         with torch.inference_mode(False), torch.no_grad():
             for lin in self.linears:
                 lin.weight.data = lin.weight.data.clone()
                 if lin.bias is not None:
                     lin.bias.data = lin.bias.data.clone()
+            for fused in (self.weight, self.bias):
+                if fused is not None:
+                    fused.data = fused.data.new_empty(0)
         self.input = self.output = None
         self.left = 0
 
 
 class FusedProjections:
     """Fuses every :data:`GROUPS` group of ``model`` that :func:`_fusable` allows; the
-    fused GEMMs run within :meth:`active` blocks on the thread that opened them (and in
-    code that ``torch.compile`` traces: compiled decoder layers run only there).
-    :meth:`close` undoes it."""
+    fused GEMMs run within :meth:`active` blocks on the thread that opened them (compiled
+    decoder layers too: they run only there). :meth:`close` undoes it."""
 
     def __init__(self, model: Any) -> None:
         self._local = threading.local()
         self.groups: list[_Group] = []
-        for module in model.modules():
-            for names in GROUPS:
-                linears: list[Any] = [getattr(module, n, None) for n in names]
-                if all(x is not None for x in linears) and _fusable(linears):
-                    self._install(_Group(linears))
+        try:
+            for module in model.modules():
+                for names in GROUPS:
+                    linears: list[Any] = [getattr(module, n, None) for n in names]
+                    if all(x is not None for x in linears) and _fusable(linears):
+                        self._install(_Group(linears))
+        except BaseException:  # out of memory half-way: leave the model as it came
+            self.close()
+            raise
 
     def _install(self, group: _Group) -> None:
         self.groups.append(group)
@@ -128,7 +138,9 @@ class FusedProjections:
         local = self._local
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if torch.compiler.is_compiling() or getattr(local, "on", False):
+            # a thread-local flag, which dynamo guards on: a caller's own compiled or eager
+            # run of the model, on any thread, runs the layer's own forward
+            if getattr(local, "on", False):
                 return group.columns(x, index)
             return own(x)
 

@@ -72,18 +72,20 @@ class PassRunner:
             attention.attach(model)
         except ValueError as exc:
             raise UnsupportedModel(describe(model.config, type(model).__name__), str(exc)) from None
-        self._fused = FusedProjections(model) if fuse_projections else None
+        self._fused: FusedProjections | None = None
         self._compiled: CompiledLayers | None = None
-        if compile_layers:
-            try:
-                self._compiled = CompiledLayers(model)
-            except ValueError as exc:
-                if self._fused is not None:
-                    self._fused.close()
-                attention.detach(model)
+        try:
+            self._fused = FusedProjections(model) if fuse_projections else None
+            self._compiled = CompiledLayers(model) if compile_layers else None
+        except BaseException as exc:
+            if self._fused is not None:
+                self._fused.close()
+            attention.detach(model)
+            if isinstance(exc, ValueError):
                 raise UnsupportedModel(
                     describe(model.config, type(model).__name__), str(exc)
                 ) from None
+            raise
         self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
         try:
             self.probe()
