@@ -93,3 +93,19 @@ def test_a_long_round_runs_early_at_the_last_step_a_withheld_group_can_wait() ->
     never = Budget(cfg.model_copy(update={"max_staleness": 0}), batch_size=4)
     never.withhold(plan_rows(samples, None, "drop"), samples, step=1)
     assert not any(never.long_round_due(step=s) for s in (1, 2, 3))  # none can wait
+
+
+def test_a_long_round_waits_for_a_queued_prompt_per_rollout_worker() -> None:
+    """Whole groups are spread over the workers (ranks): one queued group cannot feed two,
+    so neither an early nor a full round runs for it there; with one worker it does."""
+    samples = [_s(0, 0), _s(1, 0), _s(2, 1), _s(3, 1, Status.ABORTED)]
+    for size in (1, 8):
+        cfg = CutoffConfig(long_rounds=True, long_round_prompts=size, max_staleness=1)
+        b = Budget(cfg, batch_size=4)
+        b.withhold(plan_rows(samples, None, "drop"), samples, step=1)
+        assert b.metrics()["long/queued"] == 1
+        assert not b.long_round_due(step=2, workers=2)
+        assert b.long_round_due(step=2, workers=1)
+    b.withhold(plan_rows(samples, None, "drop"), samples, step=2)  # a second prompt queued
+    assert b.long_round_due(step=2, workers=2)
+    assert len(b.take_long_round(step=2, workers=2).resumed) == 2  # both groups' cut members

@@ -67,21 +67,29 @@ class Budget:
         self.audit_pending = due and long_round
         return due and not long_round
 
-    def long_round_due(self, step: int) -> bool:
+    def long_round_due(self, step: int, workers: int = 1) -> bool:
         """Whether ``step`` runs a long round: the queue is full, or a withheld group would
-        expire after this step (``long/early_round``: 1 on a round run for that)."""
+        expire after this step (``long/early_round``: 1 on a round run for that). A round
+        spreads whole groups over the rollout ``workers``, so it waits for at least one
+        queued prompt each (an expiring group with fewer queued runs again whole later)."""
         if self.long is None:
             return False
-        full = self.long.ready(self.long_size)
-        early = not full and self.long.expiring(step, self.cfg.max_staleness)
+        full = self.long.ready(max(self.long_size, workers))
+        early = (
+            not full
+            and len(self.long) >= workers
+            and self.long.expiring(step, self.cfg.max_staleness)
+        )
         self.step_metrics["long/early_round"] = float(early)
         return full or early
 
-    def take_long_round(self, step: int) -> LongRound:
-        """The oldest queued prompts: withheld groups within ``cutoff.max_staleness`` are
-        completed (cut members resumed, finished ones kept), the others run whole, fresh."""
+    def take_long_round(self, step: int, workers: int = 1) -> LongRound:
+        """The oldest queued prompts (``long_round_prompts``, at least one per rollout
+        worker): withheld groups within ``cutoff.max_staleness`` are completed (cut members
+        resumed, finished ones kept), the others run whole, fresh."""
         assert self.long is not None
-        lr = open_long_round(self.long.take(self.long_size), step, self.cfg.max_staleness)
+        size = max(self.long_size, workers)
+        lr = open_long_round(self.long.take(size), step, self.cfg.max_staleness)
         self._add("long/kept_groups", lr.kept_groups)
         self._add("long/kept_rows", len(lr.kept))
         self._add("long/resumed_members", len(lr.resumed))

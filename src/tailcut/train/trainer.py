@@ -225,10 +225,12 @@ class Trainer:
         t0, reward_s0 = time.monotonic(), self._reward_s()
         self.fault(step, "rollout")
         taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
-        long_round = self.budget.long_round_due(step)
+        assert self.workers is not None, "run() starts the rollout workers"
+        workers = self.workers.n_workers
+        long_round = self.budget.long_round_due(step, workers)
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
         policy = self._policy(self.cfg.n_target + len(taken.resumed))
-        lr = self.budget.take_long_round(step) if long_round else None
+        lr = self.budget.take_long_round(step, workers) if long_round else None
         if lr is not None:  # withheld groups' cut members resume; other prompts run whole
             again = [*taken.resumed, *lr.resumed]
             samples = self._launch(step, again, len(again), lr.prompts)
