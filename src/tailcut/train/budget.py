@@ -74,7 +74,7 @@ class Budget:
         queued prompt each (an expiring group with fewer queued runs again whole later)."""
         if self.long is None:
             return False
-        full = self.long.ready(max(self.long_size, workers))
+        full = self.long.ready(self._round_size(workers))
         early = (
             not full
             and len(self.long) >= workers
@@ -83,13 +83,18 @@ class Budget:
         self.step_metrics["long/early_round"] = float(early)
         return full or early
 
+    def _round_size(self, workers: int) -> int:
+        """Prompts a long round takes: ``long_round_prompts``, at least one per worker."""
+        return max(self.long_size, workers)
+
     def take_long_round(self, step: int, workers: int = 1) -> LongRound:
         """The oldest queued prompts (``long_round_prompts``, at least one per rollout
         worker): withheld groups within ``cutoff.max_staleness`` are completed (cut members
         resumed, finished ones kept), the others run whole, fresh."""
         assert self.long is not None
-        size = max(self.long_size, workers)
-        lr = open_long_round(self.long.take(size), step, self.cfg.max_staleness)
+        lr = open_long_round(
+            self.long.take(self._round_size(workers)), step, self.cfg.max_staleness
+        )
         self._add("long/kept_groups", lr.kept_groups)
         self._add("long/kept_rows", len(lr.kept))
         self._add("long/resumed_members", len(lr.resumed))

@@ -208,9 +208,8 @@ class SlotKVCache:
         its column (one ``index_copy_``: ``begin_decode`` made the targets); returns the keys
         and values the pass attends over."""
         layer = self.buf[layer_idx]
-        s = self.shape
-        columns = layer.view(2, s.slots * s.kv_heads * layer.shape[3], s.head_dim)
-        columns.index_copy_(1, self._targets, kv.reshape(2, -1, s.head_dim))
+        dim = self.shape.head_dim
+        layer.view(2, -1, dim).index_copy_(1, self._targets, kv.reshape(2, -1, dim))
         width = self._width
         return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
 

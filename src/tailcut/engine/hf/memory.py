@@ -53,13 +53,12 @@ class WeightOffload:
     """
 
     def __init__(self, model: Any, shared: Sequence[torch.Tensor] = ()) -> None:
-        tensors = [*model.parameters(), *shared]  # tied parameters once
-        self._device = tensors[0].device
+        self._params = list(model.parameters())  # tied parameters once
+        self._device = self._params[0].device
         groups: dict[int, list[torch.Tensor]] = {}
-        for t in tensors:
+        for t in [*self._params, *shared]:
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
         self._groups = list(groups.values())
-        self._params = list(model.parameters())
         self._host: list[torch.Tensor] = []
         self.offloaded = False
 
