@@ -149,6 +149,7 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             "is_clipped": _mean([r.get("train/rollout_is_clipped_frac") for r in steps]),
             "bias_length": _mean([r.get("bias/length") for r in steps]),
             "bias_length_run": _last(steps, "bias/length_run"),
+            "bias_length_paired": _last(steps, "bias/length_paired"),
             "filtered_groups": _mean([r.get("batch/filtered_groups") for r in steps]),
             "gen_rounds": _mean([r.get("batch/gen_rounds") for r in steps]),
             "long_rounds": _last(steps, "long/rounds_total"),
@@ -199,8 +200,9 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
         "| variant | steps | s/step | rollout s/step | aborted | val start | val final | "
         "time to wait-all's final val (s) | ratio vs wait-all | time to 90% of it (s) | "
         "ratio vs wait-all | bias completed | bias zero-filled | bias imputed | "
-        "bias/length (audits) | bias/length (run) | filtered groups | extra rounds | long rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "bias/length (audits) | bias/length (run) | bias/length (paired) | filtered groups | "
+        "extra rounds | long rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary.items():
         lines.append(
@@ -210,7 +212,8 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
             f"{_fmt(r.get('time_to_near_s'), '.0f')} | {_fmt(r.get('near_ratio_vs_waitall'), '.2f')} | "
             f"{_fmt(r['bias_completed_mean'], '+.3f')} | {_fmt(r['bias_all_zero_filled'], '+.3f')} | "
             f"{_fmt(r['bias_group_imputed'], '+.3f')} | {_fmt(r.get('bias_length'), '+.1%')} | "
-            f"{_fmt(r.get('bias_length_run'), '+.1%')} | {_fmt(r.get('filtered_groups'), '.1f')} | "
+            f"{_fmt(r.get('bias_length_run'), '+.1%')} | "
+            f"{_fmt(r.get('bias_length_paired'), '+.1%')} | {_fmt(r.get('filtered_groups'), '.1f')} | "
             f"{_fmt(r.get('gen_rounds'), '.2f')} | {_fmt(r.get('long_rounds'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -269,6 +272,7 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
         ("bias_group_imputed", "bias imputed", "+.3f"),
         ("bias_length", "bias/length (audits)", "+.1%"),
         ("bias_length_run", "bias/length (run)", "+.1%"),
+        ("bias_length_paired", "bias/length (paired)", "+.1%"),
         ("filtered_groups", "filtered groups", ".1f"),
         ("gen_rounds", "extra rounds", ".2f"),
         ("mismatch_kl", "mismatch KL", ".2e"),

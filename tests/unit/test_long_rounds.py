@@ -154,18 +154,55 @@ def test_resumed_trajectories_are_no_part_of_the_uncut_reference() -> None:
         audit_length_bias(samples, 3, "partial", False, 1)
     )
     ledger = LengthLedger()
-    ledger.audit(with_tail, replayed=0.0)
+    ledger.audit(with_tail, replayed=0.0, step=0)
     assert ledger.audit_n == 4 and ledger.audit_tokens == 14
 
 
 def test_ledger_measures_trained_against_audit_lengths() -> None:
     ledger = LengthLedger()
     assert ledger.metrics() == {}
-    ledger.audit(_audit_step(), replayed=-0.4)
-    assert ledger.trained([_s(0, 0, 2), _s(1, 0, 4)]) == 3.0
+    ledger.audit(_audit_step(), replayed=-0.4, step=0)
+    assert ledger.trained([_s(0, 0, 2), _s(1, 0, 4)], step=0) == 3.0
     m = ledger.metrics()
     assert m["bias/length_run"] == pytest.approx(3.0 / 3.5 - 1)
+    assert m["bias/length_paired"] == pytest.approx(3.0 / 3.5 - 1)
     assert m["bias/length_replay_mean"] == -0.4
     back = LengthLedger()
     back.load_state_dict(ledger.state_dict())
     assert back.metrics() == m
+
+
+def _lengths_drift(cut: float) -> LengthLedger:
+    """Nine steps whose uncut samples grow by 2 tokens a step (10, 12, .., 26), audited on
+    steps 0, 3 and 6 (uncut: every sample trained); the other steps train samples ``cut``
+    shorter than their step's uncut length."""
+    ledger = LengthLedger()
+    for step in range(9):
+        uncut = 10 + 2 * step
+        if step % 3 == 0:
+            samples = [_s(i, i, uncut) for i in range(4)]
+            ledger.audit(samples, replayed=0.0, step=step)
+        else:
+            samples = [_s(i, i, round(uncut * (1 - cut))) for i in range(4)]
+        ledger.trained(samples, step)
+    return ledger
+
+
+def test_paired_length_bias_cancels_drift_the_run_figure_reads_as_bias() -> None:
+    still = _lengths_drift(cut=0.0).metrics()
+    # cutting nothing: the run figure reads the drift (mean 18 over audits' mean 16) ...
+    assert still["bias/length_run"] == pytest.approx(18 / 16 - 1)
+    # ... the paired one does not: steps 7 and 8 lie past the last audit and wait for the next
+    assert still["bias/length_paired"] == pytest.approx(0.0, abs=1e-12)
+    cut = _lengths_drift(cut=0.5).metrics()
+    # steps 1, 2, 4, 5 train half-length samples, steps 0, 3, 6 full ones: (3 * 1 + 4 * 0.5) / 7
+    assert cut["bias/length_paired"] == pytest.approx((3 + 4 * 0.5) / 7 - 1)
+
+
+def test_paired_length_bias_waits_for_an_audit_around_the_trained_steps() -> None:
+    ledger = LengthLedger()
+    ledger.trained([_s(0, 0, 5)], step=1)
+    ledger.audit([_s(0, 0, 10)], replayed=0.0, step=2)
+    assert "bias/length_paired" not in ledger.metrics()  # step 1 lies before the first audit
+    ledger.trained([_s(0, 0, 5)], step=2)
+    assert ledger.metrics()["bias/length_paired"] == pytest.approx(-0.5)

@@ -131,12 +131,12 @@ class Budget:
         groups = list(dict.fromkeys(s.group for s in lost))
         self._add("long/expired_groups", self.long.push(prompts_of_groups(lost, groups), step))
 
-    def audit(self, samples: Sequence[Sample], n_keep: int) -> float:
+    def audit(self, samples: Sequence[Sample], n_keep: int, step: int) -> float:
         """``bias/length`` of an uncut step, the cut replayed under this run's mode."""
         bias = audit_length_bias(
             samples, n_keep, self.cfg.aborted, self.cfg.long_rounds, self.cfg.max_staleness
         )
-        self.ledger.audit(samples, bias)
+        self.ledger.audit(samples, bias, step)
         return bias
 
     def _add(self, key: str, n: int) -> None:

@@ -242,7 +242,7 @@ class Trainer:
         metrics["long/round"] = float(long_round)
         if audit:
             metrics["bias/length"] = self.budget.audit(
-                result.samples, policy.would_keep(result.samples)
+                result.samples, policy.would_keep(result.samples), step
             )
         rows = self.budget.join_kept(
             await self._fill(step, result, audit or long_round, metrics), lr
@@ -264,7 +264,7 @@ class Trainer:
         rows, advantages = keep_rows(rows, adv.advantages, adv.keep)
         metrics.update(filter_metrics(filtered, metrics.pop("batch/gen_rounds", 0.0)))
         trained = [s for s, ok in zip(rows.samples, rows.valid, strict=True) if ok]
-        metrics["length/trained_mean"] = self.budget.ledger.trained(trained)
+        metrics["length/trained_mean"] = self.budget.ledger.trained(trained, step)
         skip = self.ranks.broadcast(a.filter_groups != "none" and not trained)
         phases = {"rollout": t_rollout - t0}
         if skip:  # the filter left nothing to learn from: no update, no sync
