@@ -35,6 +35,8 @@ from rich.console import Console
 
 from tailcut.train.config import load_train_config
 from tailcut.train.plots import read_metrics, series, with_wall_time
+from tailcut.train.sample_log import FILE as SAMPLE_LOG
+from tailcut.train.sample_log import length_vs_control, read_sample_log
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -107,6 +109,7 @@ def train_variant(config: Path, name: str, out: Path, budget_s: float, extra: li
         "trainer.resume=never",
         "trainer.save_every=0",
         "trainer.loggers=[console]",
+        "trainer.sample_log=true",
         *extra,
     ]
     cfg = load_train_config(config, overrides)
@@ -165,6 +168,15 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             row["reach_target"] = reach_frac * base_final
             row["time_to_near_s"] = near
             row["near_ratio_vs_waitall"] = near / base_near if near and base_near else None
+        control = runs.get("wait-all")
+        if (
+            control is not None
+            and (control / SAMPLE_LOG).is_file()
+            and (p := runs[name] / SAMPLE_LOG).is_file()
+        ):
+            vs = length_vs_control(read_sample_log(p), read_sample_log(control / SAMPLE_LOG))
+            row["length_vs_waitall"] = vs.bias
+            row["untrained_prompts"] = vs.untrained / vs.prompts if vs.prompts else None
         for est in ESTIMATORS:
             bias = [r[f"bias/{est}"] for r in steps if r.get(f"bias/{est}") is not None]
             row[f"bias_{est}"] = _mean(bias) if bias else None
@@ -200,9 +212,9 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
         "| variant | steps | s/step | rollout s/step | aborted | val start | val final | "
         "time to wait-all's final val (s) | ratio vs wait-all | time to 90% of it (s) | "
         "ratio vs wait-all | bias completed | bias zero-filled | bias imputed | "
-        "bias/length (audits) | bias/length (run) | bias/length (paired) | filtered groups | "
-        "extra rounds | long rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "bias/length (audits) | bias/length (run) | bias/length (paired) | length vs wait-all, same "
+        "prompts | filtered groups | extra rounds | long rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary.items():
         lines.append(
@@ -213,7 +225,8 @@ def table(summary: dict[str, dict[str, Any]], budget_s: float) -> str:
             f"{_fmt(r['bias_completed_mean'], '+.3f')} | {_fmt(r['bias_all_zero_filled'], '+.3f')} | "
             f"{_fmt(r['bias_group_imputed'], '+.3f')} | {_fmt(r.get('bias_length'), '+.1%')} | "
             f"{_fmt(r.get('bias_length_run'), '+.1%')} | "
-            f"{_fmt(r.get('bias_length_paired'), '+.1%')} | {_fmt(r.get('filtered_groups'), '.1f')} | "
+            f"{_fmt(r.get('bias_length_paired'), '+.1%')} | {_fmt(r.get('length_vs_waitall'), '+.1%')} | "
+            f"{_fmt(r.get('filtered_groups'), '.1f')} | "
             f"{_fmt(r.get('gen_rounds'), '.2f')} | {_fmt(r.get('long_rounds'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -273,6 +286,8 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
         ("bias_length", "bias/length (audits)", "+.1%"),
         ("bias_length_run", "bias/length (run)", "+.1%"),
         ("bias_length_paired", "bias/length (paired)", "+.1%"),
+        ("length_vs_waitall", "length vs wait-all, same prompts", "+.1%"),
+        ("untrained_prompts", "prompts never trained", ".1%"),
         ("filtered_groups", "filtered groups", ".1f"),
         ("gen_rounds", "extra rounds", ".2f"),
         ("mismatch_kl", "mismatch KL", ".2e"),

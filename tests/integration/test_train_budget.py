@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from train_fixtures import prompts, tiny_config, tiny_setup, train_killed, train_tiny
 
+from tailcut.train.sample_log import length_vs_control, read_sample_log
 from tailcut.train.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -53,6 +54,31 @@ def test_long_rounds_run_the_cut_prompts_whole_and_uncut(
     assert trainer.budget.long is not None
     state = trainer._state()["budget"]["long"]
     assert len(state["entries"]) == last["long/queued"]
+
+
+def test_sample_log_measures_a_cut_run_against_wait_all_on_the_same_prompts(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    logs, rows = {}, {}
+    for name, policy in (("wait-all", ("cutoff.policy=wait-all",)), ("drop", CUT)):
+        cfg = tiny_config(
+            tmp_path / name, *policy, "cutoff.aborted=drop", "trainer.sample_log=true",
+            "trainer.steps=4", "trainer.val_every=0",
+        )  # fmt: skip
+        _, rows[name] = _train(cfg, chat_tokenizer)
+        logs[name] = read_sample_log(tmp_path / name / "samples.jsonl")
+    for name in logs:  # one line a step: the groups drawn, the rows trained
+        assert [s.step for s in logs[name]] == [r["step"] for r in rows[name]] == [1, 2, 3, 4]
+        for line, r in zip(logs[name], rows[name], strict=True):
+            assert len(line.drawn) * 4 == r["rollout/launched"]
+            assert len(line.trained) == r["batch/real_rows"]
+    # the same seed draws the same prompts in order (the cut aborts 4 of the 16 launched)
+    waited = [k for s in logs["wait-all"] for k in s.drawn]
+    assert [k for s in logs["drop"] for k in s.drawn] == waited and len(set(waited)) == 16
+    assert length_vs_control(logs["wait-all"], logs["wait-all"]).bias == 0.0
+    vs = length_vs_control(logs["drop"], logs["wait-all"])
+    assert vs.prompts == 16 and vs.control == 64
+    assert vs.bias < -0.05, vs  # the cut aborts the longest-running samples
 
 
 def test_adaptive_cut_logs_its_choice_within_bounds(tmp_path: Path, chat_tokenizer: Any) -> None:

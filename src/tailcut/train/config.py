@@ -215,6 +215,10 @@ class TrainerConfig(_Model):
     wandb_project: str = "tailcut"
     trace: bool = True
     """Write per-step rollout traces (RUN_DIR/traces/step_k/worker_0.jsonl)."""
+    sample_log: bool = False
+    """Write RUN_DIR/samples.jsonl: per step, the prompts drawn and each trained sample's
+    (prompt key, response tokens, reward), to compare runs prompt by prompt
+    (``train/sample_log.py``)."""
     step_timeout_s: float | None = Field(None, gt=0.0)
     """Hard cap on one rollout step (cut whatever the policy says)."""
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)

@@ -43,8 +43,8 @@ CONFIG_FILE = "config.yaml"
 PREVIOUS_CONFIG = "config.previous.yaml"
 RUN_ENTRIES = frozenset(
     {
-        RUN_FILE, CONFIG_FILE, PREVIOUS_CONFIG, "metrics.jsonl", "checkpoints", "traces",
-        "plots", "tensorboard", "weights", "wandb", "completion_cdf.png",
+        RUN_FILE, CONFIG_FILE, PREVIOUS_CONFIG, "metrics.jsonl", "samples.jsonl", "checkpoints",
+        "traces", "plots", "tensorboard", "weights", "wandb", "completion_cdf.png",
     }
 )  # fmt: skip
 """What a run (and ``tailcut report`` on it) writes into its directory: in a directory

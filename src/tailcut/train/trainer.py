@@ -67,6 +67,8 @@ from tailcut.train.loggers import Loggers, make_loggers, truncate_jsonl
 from tailcut.train.prompts import PromptStream
 from tailcut.train.rollout_pool import make_workers
 from tailcut.train.run_dir import check_run_dir, claim_run_dir
+from tailcut.train.sample_log import FILE as SAMPLE_LOG
+from tailcut.train.sample_log import SampleLog, prompt_key
 from tailcut.train.weight_sync import WeightSync
 from tailcut.types import Sample
 
@@ -149,6 +151,13 @@ class Trainer:
         self.workers: Workers | None = None
         self.batch_buffers = BatchBuffers()
         """Reused by every step's batch (a step's batch is done with before the next)."""
+        self.sample_log = (
+            SampleLog(self.run_dir / SAMPLE_LOG)
+            if cfg.trainer.sample_log and self.ranks.is_main
+            else None
+        )
+        self.drawn: list[str] = []
+        """Keys of the prompts this step drew (``trainer.sample_log``)."""
 
     # -- run ------------------------------------------------------------------------------
 
@@ -223,6 +232,7 @@ class Trainer:
         each stage adds its metrics (built in ``algo/metrics``) as it ends. A long round
         (``cutoff.long_rounds``) runs the queued prompts uncut instead of fresh ones."""
         t0, reward_s0 = time.monotonic(), self._reward_s()
+        self.drawn = []
         self.fault(step, "rollout")
         taken = self.buffer.take(step) if self.partial else TakeResult(resumed=[])
         assert self.workers is not None, "run() starts the rollout workers"
@@ -265,6 +275,8 @@ class Trainer:
         metrics.update(filter_metrics(filtered, metrics.pop("batch/gen_rounds", 0.0)))
         trained = [s for s, ok in zip(rows.samples, rows.valid, strict=True) if ok]
         metrics["length/trained_mean"] = self.budget.ledger.trained(trained, step)
+        if self.sample_log is not None:
+            self.sample_log.write(step, self.drawn, trained)
         skip = self.ranks.broadcast(a.filter_groups != "none" and not trained)
         phases = {"rollout": t_rollout - t0}
         if skip:  # the filter left nothing to learn from: no update, no sync
@@ -399,6 +411,8 @@ class Trainer:
         if rows is None:
             rows = self.prompts.take(-(-(n_launch - len(resumed)) // g))
             n_fresh = n_launch - len(resumed)
+            if self.sample_log is not None:
+                self.drawn += [prompt_key(r) for r in rows]
         else:
             n_fresh = len(rows) * g
         fresh = [
@@ -521,6 +535,7 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         if self.ranks.is_main:
             truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+            truncate_jsonl(self.run_dir / SAMPLE_LOG, self.step)
         self.console.print(f"[green]resumed from {path} (step {self.step})[/green]")
         return self.step
 
