@@ -32,9 +32,13 @@ audit step's uncut lengths). :class:`LengthLedger` keeps the measured figures ov
 * ``bias/length_paired``: each trained sample's length over the uncut mean length at its
   own step — interpolated linearly between the audit steps before and after it — averaged
   over the trained samples of the steps within the audits' span, − 1: drift between audits
-  cancels to first order, so a run that cuts nothing reads near 0 whatever its lengths
-  do (steps after the last audit count once the next audit has run);
+  cancels to first order (steps after the last audit count once the next audit has run);
 * ``bias/length_replay_mean``: the per-step replays' mean.
+
+Both measured figures keep the spread of lengths between steps (a few prompts a step,
+heavy-tailed lengths): ±10% over a 150 s run of the CPU example, where a wait-all run reads
+−4% to +26% paired. A tight figure compares the run with an uncut control on the same
+prompts (``train/sample_log.py``).
 """
 
 from __future__ import annotations
