@@ -102,6 +102,12 @@ class HFEngineConfig(_Model):
     and each gated MLP's gate/up projections as one (their weights laid end to end, the
     parameters views of them: ``hf/fused.py``). None: where decode passes replay CUDA
     graphs."""
+    overlap: bool | None = False
+    """Queue each decode pass before reading the tokens of the one before (fed them on
+    the device), so the host's bookkeeping of pass N runs while the device runs pass N+1;
+    a row that pass N finished runs one wasted column in N+1. Tokens are the same either
+    way. Off by default until measured on a GPU; None: where decode passes replay CUDA
+    graphs."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

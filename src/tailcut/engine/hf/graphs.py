@@ -75,17 +75,35 @@ class HostStage:
     """Page-locked (on CUDA) host buffers and their device twins for per-pass inputs:
     ``longs [slots, 2]`` (column, token id) and ``floats [slots, 3]`` (temperature,
     top-p, uniform), row-major so that the first ``rows`` rows are one contiguous block
-    (one asynchronous copy). Host writes go through numpy views: no tensor per value."""
+    (one asynchronous copy), and ``out [slots, 2]`` for the sampled tokens and log-probs
+    coming back. Host writes go through numpy views: no tensor per value.
+
+    Two sets of host buffers, taken in turn (:meth:`flip`, once a pass): with a pass
+    launched ahead (``engine.hf.overlap``) the host fills the next pass's inputs while the
+    copies of the one before may not have run yet."""
 
     def __init__(self, slots: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self.host_longs = torch.zeros(slots, 2, dtype=torch.long, pin_memory=pin)
-        self.host_floats = torch.zeros(slots, 3, dtype=torch.float32, pin_memory=pin)
-        self.longs_np: np.ndarray[Any, Any] = self.host_longs.numpy()
-        self.floats_np: np.ndarray[Any, Any] = self.host_floats.numpy()
+        self._host = [
+            (
+                torch.zeros(slots, 2, dtype=torch.long, pin_memory=pin),
+                torch.zeros(slots, 3, dtype=torch.float32, pin_memory=pin),
+                torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+        self._turn = 0
         self.longs = torch.zeros(slots, 2, dtype=torch.long, device=device)
         self.floats = torch.zeros(slots, 3, dtype=torch.float32, device=device)
+        self.flip()
+
+    def flip(self) -> None:
+        """Write the other set of host buffers from now on."""
+        self._turn ^= 1
+        self.host_longs, self.host_floats, self.host_out = self._host[self._turn]
+        self.longs_np: np.ndarray[Any, Any] = self.host_longs.numpy()
+        self.floats_np: np.ndarray[Any, Any] = self.host_floats.numpy()
 
     def upload_longs(self, rows: int) -> None:
         self.longs[:rows].copy_(self.host_longs[:rows], non_blocking=True)
@@ -154,8 +172,12 @@ class DecodeStep:
         if self.graphs and not hasattr(self, "_pool"):
             self._buffers()
 
-    def run(self, ends: list[int], last: list[int]) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for rows whose new tokens ``last`` go to columns ``ends``."""
+    def run(
+        self, ends: list[int], last: list[int], on_device: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for rows whose new tokens ``last`` go to columns ``ends``;
+        with ``on_device``, ``last`` holds indices into that device tensor of token ids
+        instead (the tokens a pass still running sampled: nothing waits for them)."""
         n = len(ends)
         width = max(ends) + 1
         rows, cols = n, width
@@ -166,6 +188,9 @@ class DecodeStep:
         host[:n, 1] = last
         host[n:rows] = 0
         self._stage.upload_longs(rows)
+        if on_device is not None:
+            tokens = self._stage.longs[:n, 1]
+            tokens.copy_(on_device.index_select(0, tokens))
         graph = self._graphs.get((rows, cols))
         if graph is not None:
             graph.replay()

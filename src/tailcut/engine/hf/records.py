@@ -62,7 +62,9 @@ class Counters:
     prefill_seconds: float = 0.0
     """Wall time of the prefill passes (each ends with its tokens on the host)."""
     decode_seconds: float = 0.0
-    """Wall time of the decode passes, sampling and the copy to the host included."""
+    """Worker time on decode passes: queuing them (sampling included), waiting for their
+    tokens and taking them (appending, retiring finished rows). With
+    ``engine.hf.overlap`` the taking runs while the device runs the next pass."""
 
 
 @dataclass(eq=False, slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,25 @@ from tailcut.engine.hf.support import UnsupportedModel, describe
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 """Largest relative logit error of the load-time probe per dtype (half precision: 5e-2)."""
+
+
+@dataclass
+class Sampled:
+    """A pass's sampled tokens: on the device as soon as the pass is queued, on the host
+    once :meth:`result` waits for them (the pass's only wait on the device)."""
+
+    rows: list[Live]
+    tokens: torch.Tensor
+    """``[rows]`` token ids on the device (the next pass may read them from there)."""
+    host: torch.Tensor
+    """``[rows, 2]`` token and log-prob as float64, copied here as the pass ends."""
+    done: torch.cuda.Event | None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self.done is not None:
+            self.done.synchronize()
+        pairs = self.host.tolist()
+        return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
 
 
 class PassRunner:
@@ -239,10 +259,28 @@ class PassRunner:
 
     def decode(self, rows: Sequence[Live]) -> tuple[list[int], list[float]]:
         """Feed each row's last token at column ``row.end`` and sample the next."""
-        logits = self.decoder.run([x.end for x in rows], [x.output[-1] for x in rows])
-        return self._sample(rows, logits)
+        return self.launch_decode(rows).result()
+
+    def launch_decode(self, rows: Sequence[Live], ahead: Sampled | None = None) -> Sampled:
+        """Queue a decode pass and return without waiting for it. With ``ahead`` (a pass
+        queued before whose tokens the host has not read), every row of ``rows`` must be
+        one of its rows: each is fed the token that pass sampled for it, straight from the
+        device, at column ``row.end + 1``."""
+        self._stage.flip()
+        if ahead is None:
+            logits = self.decoder.run([x.end for x in rows], [x.output[-1] for x in rows])
+        else:
+            at = {id(x): i for i, x in enumerate(ahead.rows)}
+            logits = self.decoder.run(
+                [x.end + 1 for x in rows], [at[id(x)] for x in rows], ahead.tokens
+            )
+        return self._sample_async(rows, logits)
 
     def _sample(self, rows: Sequence[Live], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        self._stage.flip()
+        return self._sample_async(rows, logits).result()
+
+    def _sample_async(self, rows: Sequence[Live], logits: torch.Tensor) -> Sampled:
         n = len(rows)
         if self.vocab_rows < logits.shape[-1]:  # a view: no copy, no wait on the device
             logits = logits[:, : self.vocab_rows]
@@ -254,7 +292,12 @@ class PassRunner:
         temp, top_p, uniform = self._stage.upload_floats(n).T
         nucleus = any(p.top_p < 1.0 for p in params)
         tokens, logprobs = sample_tokens(logits, temp, top_p, uniform, self._mode, nucleus=nucleus)
-        # float64 holds every token id and float32 log-prob exactly: one copy, one wait
-        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
-        toks, lps = packed.tolist()
-        return [int(t) for t in toks], lps
+        # float64 holds every token id and float32 log-prob exactly: one copy back
+        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)), dim=1)
+        out = self._stage.host_out[:n]
+        out.copy_(packed, non_blocking=True)
+        done = None
+        if self._device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Sampled(list(rows), tokens, out, done)

@@ -38,7 +38,7 @@ from tailcut.engine.base import EngineDied, EngineError, EngineStats, MemoryRepo
 from tailcut.engine.hf.cache import SlotKVCache, kv_shape_for
 from tailcut.engine.hf.memory import EngineMemory
 from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
-from tailcut.engine.hf.step import PassRunner
+from tailcut.engine.hf.step import PassRunner, Sampled
 from tailcut.types import FinishReason, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class SlotWorker:
             compile_layers=graphs if cfg.compile_layers is None else cfg.compile_layers,
             fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
         )  # fmt: skip
+        self._overlap = graphs if cfg.overlap is None else cfg.overlap
+        self._pending: tuple[Sampled, int] | None = None
+        """A decode pass queued whose tokens are not read yet, and its id (``overlap``)."""
         self._memory = EngineMemory(
             model, self._cache, self._runner.decoder, self._runner.shared_weights
         )
@@ -246,10 +249,19 @@ class SlotWorker:
 
     def _has_work(self) -> bool:
         admissible = bool(self._waiting) and len(self._rows) < self.slots
-        return bool(self._closing or self._to_abort or self._commands or admissible or self._rows)
+        return bool(
+            self._closing or self._to_abort or self._commands or admissible or self._rows
+            or self._pending
+        )  # fmt: skip
 
     def _iteration(self) -> bool:
-        """One scheduling round: aborts, then commands or one forward pass."""
+        """One scheduling round: aborts, then commands or one forward pass.
+
+        With ``engine.hf.overlap`` a decode pass is queued before the tokens of the one
+        before are read: while the device runs pass N+1 (fed pass N's tokens from the
+        device), the host appends pass N's tokens, retires finished rows and prepares the
+        next. Anything else — a command, an admission, a row pass N did not run — first
+        reads the pass in flight (:meth:`_drain`)."""
         with self._cv:
             self._cv.wait_for(self._has_work)
             if self._to_abort:
@@ -258,23 +270,44 @@ class SlotWorker:
                     [(x, FinishReason.ABORT) for x in flagged if x.request_id in self._live]
                 )
             if self._closing and not self._live:
+                self._pending = None
                 self._fail_commands(EngineError("hf engine is closed"))
                 return False
             commands = list(self._commands)
             self._commands.clear()
             admitted = [] if commands else self._admit()
             rows = [] if commands or admitted else list(self._rows)
+            ahead = self._pending
+            if ahead is not None and rows and not self._can_follow(ahead[0], rows):
+                rows = []  # read the pass in flight first, then plan again
             if admitted or rows:
                 self._passes += 1
             pass_id = self._passes
         if commands:
+            self._drain()
             for cmd in commands:
                 self._run_command(cmd)
         elif admitted:
             self._guarded(admitted, pass_id, self._prefill)
+            self._drain()
         elif rows:
             self._guarded(rows, pass_id, self._decode)
+        else:
+            self._drain()
         return True
+
+    def _can_follow(self, ahead: Sampled, rows: list[Live]) -> bool:
+        """Whether a pass over ``rows`` can be queued behind ``ahead`` before its tokens
+        are read: every row was in it and has a column left for one more token."""
+        mine = {id(x) for x in ahead.rows}
+        return all(id(x) in mine and x.end + 2 <= self.max_seq_len for x in rows)
+
+    def _drain(self) -> None:
+        """Read the decode pass in flight, if any, and take its tokens."""
+        if self._pending is None:
+            return
+        (sampled, pass_id), self._pending = self._pending, None
+        self._guarded(sampled.rows, pass_id, lambda rows, pid: self._finish(sampled, pid))
 
     def _admit(self) -> list[Live]:
         """Under the lock: move waiting requests into free slots (FIFO, prefill budget).
@@ -331,15 +364,29 @@ class SlotWorker:
 
     def _decode(self, rows: list[Live], pass_id: int) -> None:
         replays, start = self._runner.decoder.replays, time.perf_counter()
-        tokens, logprobs = self._runner.decode(rows)
+        ahead = self._pending[0] if self._pending is not None else None
+        sampled = self._runner.launch_decode(rows, ahead)
+        self.counters.graph_passes += self._runner.decoder.replays - replays
         self.counters.decode_seconds += time.perf_counter() - start
+        if not self._overlap:
+            self._finish(sampled, pass_id)
+            return
+        before, self._pending = self._pending, (sampled, pass_id)
+        if before is not None:
+            self._finish(*before)
+
+    def _finish(self, sampled: Sampled, pass_id: int) -> None:
+        """Wait for a decode pass's tokens and take them (its rows that are still live)."""
+        start = time.perf_counter()
+        tokens, logprobs = sampled.result()
         # counted before the results go out: a caller reading the counters once its
         # request is done sees the pass that finished it
         self.counters.decode_passes += 1
-        self.counters.graph_passes += self._runner.decoder.replays - replays
+        rows = sampled.rows
         for x in rows:
             x.end += 1
         self._accept(rows, tokens, logprobs, pass_id)
+        self.counters.decode_seconds += time.perf_counter() - start
 
     def _accept(
         self, rows: list[Live], tokens: list[int], logprobs: list[float], pass_id: int
@@ -352,6 +399,8 @@ class SlotWorker:
         with self._cv:
             done: list[tuple[Live, FinishReason]] = []
             for x, tok, lp in zip(rows, tokens, logprobs, strict=True):
+                if x.row < 0 and x.abort_at is None:
+                    continue  # finished by the pass before (a pass queued ahead ran it on)
                 if x.abort_at is not None:
                     if pass_id > x.abort_at:
                         self.counters.tokens_after_abort += 1
@@ -417,7 +466,9 @@ class SlotWorker:
             gone.row = -1
         if origin:
             moves = [(src, x.row) for x, src in origin.items()]
-            self._cache.move_rows(moves, max(x.end for x in origin))
+            # a pass in flight writes one column past each row's end before the move runs
+            ahead = 1 if self._pending is not None else 0
+            self._cache.move_rows(moves, max(x.end for x in origin) + ahead)
 
     def _result(self, x: Live, reason: FinishReason) -> GenerateResult:
         return GenerateResult(
