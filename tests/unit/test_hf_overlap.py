@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
+
 from fakes.hf_runs import hf_greedy, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.types import (  # noqa: E402
@@ -24,19 +26,10 @@ from tailcut.types import (  # noqa: E402
     new_request_id,
 )
 
-VOCAB = 512
-
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    cfg = transformers.Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024,
-        tie_word_embeddings=False, initializer_range=0.5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    return tiny_qwen2(seed=0)
 
 
 def req(i: int, length: int, n: int, **sp: Any) -> GenerateRequest:
