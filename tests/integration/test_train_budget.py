@@ -4,6 +4,7 @@ rounds, the adaptive cut, the group filter with extra launch rounds, group refil
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,35 @@ def test_filter_groups_fills_the_batch_with_informative_groups(
     step = next(r["step"] for r in rows if r["batch/gen_rounds"] > 0)
     traces = Path(cfg.trainer.run_dir) / "traces" / f"step_{step}"
     assert (traces / "worker_0.jsonl").is_file() and (traces / "worker_0.round1.jsonl").is_file()
+
+
+@pytest.mark.parametrize("first_round", ["batch", "learned"])
+def test_the_learned_first_round_launches_for_the_filters_share(
+    tmp_path: Path, chat_tokenizer: Any, first_round: str
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, "cutoff.aborted=drop", "algo.filter_groups=zero-std",
+        "algo.max_gen_rounds=3", "trainer.steps=4", f"algo.filter_first_round={first_round}",
+    )  # fmt: skip
+    trainer, rows = _train(cfg, chat_tokenizer)
+    assert rows[0]["batch/first_round_groups"] == 4  # nothing learned yet: the batch
+    shares = []
+    for r in rows:
+        groups = r["batch/first_round_groups"]
+        assert r["rollout/launched"] == groups * 4 and 4 <= groups <= 16
+        launched = groups + r["rollout/launched_extra"] / 4
+        shares.append((r["batch/informative_groups"] + r["batch/surplus_groups"]) / launched)
+        if first_round == "batch":
+            assert groups == 4
+    if first_round == "learned":
+        assert trainer.budget.first_round is not None
+        assert list(trainer.budget.first_round.shares) == pytest.approx(shares)
+        for k in range(1, len(rows)):  # the batch over the lowest share seen so far
+            low = min(shares[:k])
+            want = 16 if low == 0 else max(4, min(16, math.ceil(4 / low - 1e-9)))
+            assert rows[k]["batch/first_round_groups"] == want
+        assert any(r["batch/first_round_groups"] > 4 for r in rows)
+        assert trainer._state()["budget"]["first_round"]["shares"] == pytest.approx(shares)
 
 
 def test_a_step_the_filter_empties_is_skipped_and_counted(

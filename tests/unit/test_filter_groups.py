@@ -7,6 +7,7 @@ import pytest
 
 from tailcut.algo.batch import plan_rows
 from tailcut.algo.filter import (
+    FirstRound,
     concat_plans,
     filter_groups,
     groups_to_launch,
@@ -78,3 +79,25 @@ def test_groups_to_launch_follows_the_informative_share() -> None:
     assert groups_to_launch(1, 8, 8, cap=8, floor=3) == 3  # one group per worker at least
     with pytest.raises(ValueError, match=r"algo\.filter_groups"):
         filter_groups(plan_rows(_step(), None, "drop"), "bogus")  # type: ignore[arg-type]
+
+
+def test_first_round_launches_the_batch_over_the_lowest_recent_share() -> None:
+    first = FirstRound(8, 32, window=2)
+    assert first.groups() == 8  # nothing learned: the batch
+    first.observe(4, 8)  # half informative
+    assert first.groups() == 16
+    first.observe(8, 24)  # a third: the lower one sizes the round
+    assert first.groups() == 24
+    first.observe(8, 8)  # the half left the window: a third and all
+    assert first.groups() == 24
+    first.observe(8, 8)
+    assert first.groups() == 8  # every group informative: the batch, never less
+    first.observe(0, 8)
+    assert first.groups() == 32  # none: the cap
+    first.observe(3, 0)  # a step that launched nothing teaches nothing
+    assert first.groups() == 32
+    again = FirstRound(8, 32, window=2)
+    again.load_state_dict(first.state_dict())
+    assert again.groups() == 32 and list(again.shares) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="batch <= cap"):
+        FirstRound(8, 4)

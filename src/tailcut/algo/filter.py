@@ -9,7 +9,9 @@ rows (real and masked) of every other group are dropped. :func:`filter_groups` k
 most ``target`` informative groups, the first ones in row order (launch order, round by
 round): the rest are surplus of the extra launch rounds.
 
-The trainer launches more groups while fewer than its target are informative
+The trainer sizes a step's first round from the informative share of recent steps
+(:class:`FirstRound`, ``algo.filter_first_round=learned``: verl's ``gen_batch_size``, learned
+instead of fixed) and launches more groups while fewer than its target are informative
 (:func:`groups_to_launch`), in up to ``algo.max_gen_rounds`` extra rounds; a step left with
 no informative group is skipped and counted.
 """
@@ -17,9 +19,10 @@ no informative group is skipped and counted.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 from tailcut.algo.batch import RowCounts, RowPlan
 
@@ -119,3 +122,39 @@ def groups_to_launch(missing: int, informative: int, seen: int, *, cap: int, flo
     share = informative / seen if seen else 1.0
     want = math.ceil(missing / share - 1e-9) if share > 0 else cap
     return max(floor, min(cap, want))
+
+
+class FirstRound:
+    """The groups a step's first round launches under the filter: ``batch`` over the lowest
+    informative share (informative groups per launched group, after the cut) of the last
+    ``window`` steps, so that an extra round — a whole rollout's wall time for a few groups —
+    is the exception; at least ``batch``, at most ``cap``. Before any step it launches
+    ``batch`` (nothing learned yet). Its state is the window (checkpointed)."""
+
+    def __init__(self, batch: int, cap: int, window: int = 4) -> None:
+        if not 1 <= batch <= cap:
+            raise ValueError(f"FirstRound: need 1 <= batch <= cap, got batch={batch}, cap={cap}")
+        self.batch, self.cap = batch, cap
+        self.shares: deque[float] = deque(maxlen=window)
+
+    def observe(self, informative: int, launched: int) -> None:
+        """One step's informative groups out of the fresh groups it launched (all rounds)."""
+        if launched > 0:
+            self.shares.append(informative / launched)
+
+    def groups(self) -> int:
+        if not self.shares:
+            return self.batch
+        low = min(self.shares)
+        return (
+            self.cap
+            if low <= 0
+            else max(self.batch, min(self.cap, math.ceil(self.batch / low - 1e-9)))
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shares": list(self.shares)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.shares.clear()
+        self.shares.extend(float(x) for x in state.get("shares", ()))

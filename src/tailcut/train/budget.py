@@ -1,7 +1,7 @@
 """The trainer's over-sampling budget: what a step launches beyond its batch and what becomes
 of it, over the run — the long-round queue (``rollout/long_rounds.py``), the adaptive cut
-(``rollout/adapt.py``), the length ledger (``algo/length_bias.py``) and the count of steps
-the group filter emptied (``algo/filter.py``). One object, so the trainer's checkpoint holds
+(``rollout/adapt.py``), the length ledger (``algo/length_bias.py``), the group filter's
+first-round size and the count of steps it emptied (``algo/filter.py``). One object, so the trainer's checkpoint holds
 it as one entry (``state_dict``) and the step reads as a flow.
 
 Every decision here depends only on the merged step (the same on every rank) and on values
@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tailcut.algo.batch import RowPlan
+from tailcut.algo.filter import FirstRound
 from tailcut.algo.length_bias import LengthLedger, audit_length_bias
 from tailcut.config import CutoffConfig
 from tailcut.rollout.adapt import ADAPTABLE, AdaptiveCut, cutoff_update, share_of
@@ -30,8 +31,13 @@ from tailcut.types import Sample
 
 
 class Budget:
-    def __init__(self, cfg: CutoffConfig, batch_size: int) -> None:
+    def __init__(
+        self, cfg: CutoffConfig, batch_size: int, first_round: FirstRound | None = None
+    ) -> None:
         self.cfg = cfg
+        self.batch_size = batch_size
+        self.first_round = first_round
+        """``algo.filter_first_round=learned``: the first round sized for the filter."""
         self.long = LongRoundQueue() if cfg.long_rounds else None
         self.long_size = cfg.long_round_prompts or batch_size
         self.adapt: AdaptiveCut | None = None
@@ -59,6 +65,13 @@ class Budget:
         if self.adapt is None:
             return self.cfg
         return self.cfg.model_copy(update=cutoff_update(self.cfg.policy, self.adapt.share))
+
+    def first_round_groups(self) -> int:
+        """Fresh groups the step's first round launches (``data.batch_size``, or more for
+        the group filter: ``batch/first_round_groups``)."""
+        n = self.batch_size if self.first_round is None else self.first_round.groups()
+        self.step_metrics["batch/first_round_groups"] = float(n)
+        return n
 
     def audit_due(self, step: int, every: int, long_round: bool) -> bool:
         """Whether ``step`` runs uncut to audit (``cutoff.audit_every``); one that falls on
@@ -144,6 +157,11 @@ class Budget:
 
     # -- after the step -------------------------------------------------------------------
 
+    def observe_filter(self, informative: int, launched: int) -> None:
+        """The group filter's share of one step: ``informative`` groups of ``launched``."""
+        if self.first_round is not None:
+            self.first_round.observe(informative, launched)
+
     def learn(self, samples: Sequence[Sample], overhead_s: float) -> None:
         """The adaptive cut learns from the step's first round (``overhead_s``: its update
         and sync seconds, as rank 0 measured them) and picks the next step's share."""
@@ -176,6 +194,7 @@ class Budget:
             "long": self.long.state_dict() if self.long is not None else None,
             "adapt": self.adapt.state_dict() if self.adapt is not None else None,
             "ledger": self.ledger.state_dict(),
+            "first_round": self.first_round.state_dict() if self.first_round else None,
             "skipped_steps": self.skipped_steps,
             "audit_pending": self.audit_pending,
         }
@@ -186,5 +205,7 @@ class Budget:
         if self.adapt is not None and state.get("adapt"):
             self.adapt.load_state_dict(state["adapt"])
         self.ledger.load_state_dict(state.get("ledger") or {})
+        if self.first_round is not None and state.get("first_round"):
+            self.first_round.load_state_dict(state["first_round"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.audit_pending = bool(state.get("audit_pending", False))

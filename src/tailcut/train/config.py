@@ -114,6 +114,11 @@ class AlgoConfig(_Model):
     max_gen_rounds: int = Field(3, ge=0, le=100)
     """filter_groups: extra launch rounds a step may take to fill its batch (0: none; the
     batch is then whatever the first round left)."""
+    filter_first_round: Literal["batch", "learned"] = "learned"
+    """filter_groups: the groups a step's first round launches. batch: ``data.batch_size``,
+    the extra rounds fill the rest; learned: ``data.batch_size`` over the lowest informative
+    share of the last 4 steps (at most ``(1 + max_gen_rounds) × data.batch_size``), so that
+    one round usually fills the batch (verl's ``data.gen_batch_size``, learned)."""
 
 
 class ActorConfig(_Model):

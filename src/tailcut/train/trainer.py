@@ -39,7 +39,13 @@ from rich.markup import escape
 from tailcut.algo.advantage import compute_advantages
 from tailcut.algo.batch import RowPlan, TrainBatch, assemble, keep_rows, plan_rows
 from tailcut.algo.buffers import BatchBuffers
-from tailcut.algo.filter import concat_plans, filter_groups, groups_to_launch, informative_groups
+from tailcut.algo.filter import (
+    FirstRound,
+    concat_plans,
+    filter_groups,
+    groups_to_launch,
+    informative_groups,
+)
 from tailcut.algo.metrics import (
     batch_metrics,
     failure_summary,
@@ -140,7 +146,13 @@ class Trainer:
         self.partial = cfg.cutoff.aborted == "partial"
         self.buffer = PartialBuffer(max_staleness=cfg.cutoff.max_staleness)
         self.policy_state: dict[str, Any] = {}
-        self.budget = Budget(cfg.cutoff, cfg.data.batch_size)
+        a = cfg.algo
+        first_round = (
+            FirstRound(cfg.data.batch_size, (1 + a.max_gen_rounds) * cfg.data.batch_size)
+            if a.filter_groups != "none" and a.filter_first_round == "learned"
+            else None
+        )
+        self.budget = Budget(cfg.cutoff, cfg.data.batch_size, first_round)
         """Long rounds, the adaptive cut, the length ledger, skipped steps (checkpointed)."""
         self.next_group = 0
         self.step = 0
@@ -239,7 +251,8 @@ class Trainer:
         workers = self.workers.n_workers
         long_round = self.budget.long_round_due(step, workers)
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
-        policy = self._policy(self.cfg.n_target + len(taken.resumed))
+        fresh = self.budget.first_round_groups() * self.cfg.algo.group_size
+        policy = self._policy(fresh + len(taken.resumed))
         lr = self.budget.take_long_round(step, workers) if long_round else None
         if lr is not None:  # withheld groups' cut members resume; other prompts run whole
             again = [*taken.resumed, *lr.resumed]
@@ -254,9 +267,10 @@ class Trainer:
             metrics["bias/length"] = self.budget.audit(
                 result.samples, policy.would_keep(result.samples), step
             )
-        rows = self.budget.join_kept(
-            await self._fill(step, result, audit or long_round, metrics), lr
-        )
+        rows, informative, seen = await self._fill(step, result, audit or long_round, metrics)
+        rows = self.budget.join_kept(rows, lr)
+        if not long_round:  # a long round's groups are the tail's, not the step's share
+            self.budget.observe_filter(informative, seen)
         t_rollout, loop_rollout = time.monotonic(), asyncio.get_running_loop().time()
         baselines = None
         if self.partial:
@@ -325,21 +339,22 @@ class Trainer:
 
     async def _fill(
         self, step: int, first: StepResult, uncut: bool, metrics: dict[str, float]
-    ) -> RowPlan:
+    ) -> tuple[RowPlan, int, int]:
         """The rows of the step's first round and, with ``algo.filter_groups``, of extra
         rounds of fresh groups (cut by the same policy; at most ``algo.max_gen_rounds``)
-        while fewer than ``data.batch_size`` groups are informative. Rank 0's count decides
-        for every rank."""
+        while fewer than ``data.batch_size`` groups are informative; with the rows, the
+        informative groups and the groups launched (the filter's share, ``FirstRound``).
+        Rank 0's count decides for every rank."""
         plans = [self._rows(step, first)]
         a, g = self.cfg.algo, self.cfg.algo.group_size
         seen = len({s.group for s in first.samples})
-        rounds = launched = 0
-        while a.filter_groups != "none" and rounds < a.max_gen_rounds:
+        rounds = launched = good = 0
+        while a.filter_groups != "none":
             rows = concat_plans(plans)
             base = self.buffer.baseline_rewards(rows.groups) if self.partial else None
-            good = len(informative_groups(rows, base))
-            missing = int(self.ranks.broadcast(self.cfg.data.batch_size - good))
-            if missing <= 0:
+            good = int(self.ranks.broadcast(len(informative_groups(rows, base))))
+            missing = self.cfg.data.batch_size - good
+            if missing <= 0 or rounds >= a.max_gen_rounds:
                 break
             assert self.workers is not None, "run() starts the rollout workers"
             n = (
@@ -358,7 +373,7 @@ class Trainer:
             launched += len(samples)
         metrics["batch/gen_rounds"] = float(rounds)
         metrics["rollout/launched_extra"] = float(launched)
-        return plans[0] if len(plans) == 1 else concat_plans(plans)
+        return (plans[0] if len(plans) == 1 else concat_plans(plans)), good, seen
 
     def _check_failures(self, step: int, result: StepResult) -> None:
         """Show the step's FAILED samples by cause; past ``trainer.max_failed_fraction`` of
