@@ -86,6 +86,12 @@ VARIANTS: dict[str, list[str]] = {
         "cutoff.aborted=drop",
         "algo.filter_groups=zero-std",
     ],
+    # group-quota under the filter: cut at the batch's complete informative groups.
+    "group-quota/drop+filter": [
+        "cutoff.policy=group-quota",
+        "cutoff.aborted=drop",
+        "algo.filter_groups=zero-std",
+    ],
     "adapt/drop+filter": [
         "cutoff.policy=target-count",
         "cutoff.aborted=drop",
@@ -117,6 +123,10 @@ def train_variant(config: Path, name: str, out: Path, budget_s: float, extra: li
     console.rule(f"{name}: {budget_s:.0f} s of training")
     asyncio.run(_run(cfg, console, None))
     return run_dir
+
+
+FILTER_CONTROL = "wait-all+filter"
+"""The filtered variants' own control: their time to its final validation reward."""
 
 
 def time_to_reach(rows: list[dict[str, Any]], target: float) -> float | None:
@@ -155,6 +165,7 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             "bias_length_paired": _last(steps, "bias/length_paired"),
             "filtered_groups": _mean([r.get("batch/filtered_groups") for r in steps]),
             "gen_rounds": _mean([r.get("batch/gen_rounds") for r in steps]),
+            "first_round_groups": _mean([r.get("batch/first_round_groups") for r in steps]),
             "long_rounds": _last(steps, "long/rounds_total"),
             "skipped": _last(steps, "batch/skipped_total"),
         }
@@ -168,6 +179,10 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             row["reach_target"] = reach_frac * base_final
             row["time_to_near_s"] = near
             row["near_ratio_vs_waitall"] = near / base_near if near and base_near else None
+        own = data.get(FILTER_CONTROL)
+        if name.endswith("+filter") and own and (own_final := _final_val(own)) is not None:
+            reach, own_reach = time_to_reach(rows, own_final), time_to_reach(own, own_final)
+            row["time_ratio_vs_filter"] = reach / own_reach if reach and own_reach else None
         control = runs.get("wait-all")
         if (
             control is not None
@@ -290,6 +305,8 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
         ("untrained_prompts", "prompts never trained", ".1%"),
         ("filtered_groups", "filtered groups", ".1f"),
         ("gen_rounds", "extra rounds", ".2f"),
+        ("first_round_groups", "first-round groups", ".1f"),
+        ("time_ratio_vs_filter", "ratio to wait-all+filter's final val", ".2f"),
         ("mismatch_kl", "mismatch KL", ".2e"),
         ("version_lag", "version lag", ".3f"),
         ("is_clipped", "IS truncated", ".2%"),
@@ -312,7 +329,7 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
                 cells.append("—")
                 continue
             cell = f"{_fmt(_mean(got), spec)} [{_fmt(min(got), spec)}, {_fmt(max(got), spec)}]"
-            if key.endswith("vs_waitall"):
+            if "_vs_" in key:
                 cell += f" ({len(got)}/{len(vals)})"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -105,15 +105,14 @@ def test_adaptive_cut_logs_its_choice_within_bounds(tmp_path: Path, chat_tokeniz
 
 @pytest.mark.parametrize(
     ("policy", "mode"),
-    [("target-count", "drop"), ("target-count", "mask"), ("target-count", "partial"),
-     ("group-quota", "drop")],
+    [("target-count", "drop"), ("target-count", "mask"), ("target-count", "partial")],
 )  # fmt: skip
 def test_filter_groups_fills_the_batch_with_informative_groups(
     tmp_path: Path, chat_tokenizer: Any, policy: str, mode: str
 ) -> None:
     cfg = tiny_config(
         tmp_path / "run", *CUT, f"cutoff.policy={policy}", f"cutoff.aborted={mode}",
-        "algo.filter_groups=zero-std",
+        "algo.filter_groups=zero-std", "algo.filter_first_round=batch",
         "algo.max_gen_rounds=3", "trainer.steps=2",
     )  # fmt: skip
     _, rows = _train(cfg, chat_tokenizer)
@@ -129,6 +128,28 @@ def test_filter_groups_fills_the_batch_with_informative_groups(
     step = next(r["step"] for r in rows if r["batch/gen_rounds"] > 0)
     traces = Path(cfg.trainer.run_dir) / "traces" / f"step_{step}"
     assert (traces / "worker_0.jsonl").is_file() and (traces / "worker_0.round1.jsonl").is_file()
+
+
+def test_group_quota_under_the_filter_cuts_at_the_batchs_informative_groups(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", "cutoff.policy=group-quota", "cutoff.over_provision=1.0",
+        "trainer.val_every=0", "algo.filter_groups=zero-std", "algo.filter_first_round=batch",
+        "trainer.steps=3",
+    )  # fmt: skip
+    _, rows = _train(cfg, chat_tokenizer)
+    cut = [r for r in rows if r["rollout/aborted"] > 0]
+    assert cut, "with twice the groups launched, some step must reach its quota early"
+    for r in rows:
+        assert r["rollout/launched"] == 32  # 4 groups of 4, over-provisioned 2x
+        assert r["adv/zero_std_groups"] == 0 and r["adv/small_groups"] == 0
+    for r in cut:  # cut at the 4th complete informative group: the batch, no surplus
+        assert r["batch/informative_groups"] == 4 and r["batch/surplus_groups"] == 0
+        # the complete groups with equal rewards reach the filter (and are counted there)
+        assert r["batch/real_rows"] == 16
+        assert r["batch/filtered_rows"] == 4 * r["batch/filtered_groups"]
+        assert r["batch/gen_rounds"] == 0
 
 
 @pytest.mark.parametrize("first_round", ["batch", "learned"])

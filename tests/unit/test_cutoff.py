@@ -62,6 +62,28 @@ def test_group_quota_never_cuts_a_group_in_half():
     assert p.select(samples) == [2, 3, 4, 5]
 
 
+def test_group_quota_with_an_informative_quota_counts_groups_whose_rewards_differ():
+    # 3 groups of 2 planned for 2 informative ones; over-provision 0.5: 5 groups launched
+    p = make_policy(CutoffConfig(policy="group-quota", over_provision=0.5), 6, 2, informative=2)
+    assert isinstance(p, GroupQuota) and p.n_launch == 10 and p.target_completion == 4
+    p.start(0.0)
+    assert not p.on_done(0, 0, C, 1.0, 1.0)
+    assert not p.on_done(1, 0, C, 1.0, 1.0)  # group 0 complete, rewards equal: flat
+    assert not p.on_done(2, 1, C, 2.0, 0.0)
+    assert not p.on_done(3, 1, C, 2.0, 1.0)  # group 1 informative (1 of 2)
+    assert not p.on_done(4, 2, C, 2.5, None)
+    assert not p.on_done(5, 2, C, 2.5, 1.0)  # a member without a reward: never informative
+    assert p.flat_groups == 2 and p.complete_groups == [1]
+    assert p.on_done(7, 3, C, 3.0, 0.5) is False
+    assert p.on_done(6, 3, C, 3.0, 0.0)  # group 3 informative (2 of 2): cut
+    samples = [Sample(index=i, group=i // 2, status=C if i < 8 else A) for i in range(10)]
+    assert p.select(samples) == list(range(8))  # the flat groups go on to the filter
+    with pytest.raises(ValueError, match="group-quota's"):
+        make_policy(CutoffConfig(policy="target-count"), 6, 2, informative=2)
+    with pytest.raises(ValueError, match="informative must be >= 1"):
+        GroupQuota(4, group_size=2, informative=0)
+
+
 def test_group_quota_rejects_ragged_target():
     with pytest.raises(ValueError, match="multiple of group_size"):
         GroupQuota(5, group_size=2)

@@ -8,7 +8,7 @@ Life of a policy over one step::
 
     policy.n_launch                      # how many samples to launch
     policy.start(now)                    # the step begins
-    policy.on_done(index, group, status, now) -> bool   # True: cut now
+    policy.on_done(index, group, status, now, reward) -> bool   # True: cut now
     policy.deadline() -> float | None    # absolute time to wake up at, if any
     policy.on_deadline(now) -> bool      # the deadline passed: True = cut now
     policy.select(samples) -> indices    # which terminal samples to keep for training
@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tailcut.algo.filter import is_informative
 from tailcut.config import CutoffConfig
 from tailcut.types import FINISHED, Sample, Status
 
@@ -71,8 +72,11 @@ class CutoffPolicy(ABC):
     def start(self, now: float) -> None:
         self._reset(now)
 
-    def on_done(self, index: int, group: int, status: Status, now: float) -> bool:
-        """Record one sample reaching a terminal state; True means cut the step now."""
+    def on_done(
+        self, index: int, group: int, status: Status, now: float, reward: float | None = None
+    ) -> bool:
+        """Record one sample reaching a terminal state (with its reward, where the policy
+        counts informative groups); True means cut the step now."""
         if self.cut:
             return False
         self.finished += 1
@@ -157,32 +161,58 @@ class GroupQuota(CutoffPolicy):
 
     Samples are launched group by group: sample ``i`` belongs to group ``i // G``. A group
     is complete when all G members are usable; a group with a failed member can never be.
+
+    ``informative=k`` (the group filter's quota, ``algo.filter_groups``): a complete group
+    counts only if its rewards are not all equal (``algo/filter.is_informative``), and the
+    step is cut at the k-th such group; complete groups with equal rewards are counted apart
+    (``flat_groups``: the filter's share among complete groups).
     """
 
     name = "group-quota"
 
-    def __init__(self, n_target: int, group_size: int, over_provision: float = 0.1) -> None:
+    def __init__(
+        self,
+        n_target: int,
+        group_size: int,
+        over_provision: float = 0.1,
+        informative: int | None = None,
+    ) -> None:
         if n_target % group_size:
             raise ValueError(
                 f"group-quota: n_target ({n_target}) must be a multiple of group_size "
                 f"({group_size})"
             )
+        if informative is not None and informative < 1:
+            raise ValueError(f"group-quota: informative must be >= 1, got {informative}")
         super().__init__(n_target, group_size)
-        self.n_groups = n_target // group_size
-        self.n_launch = math.ceil(self.n_groups * (1.0 + over_provision) - 1e-9) * group_size
+        launched = n_target // group_size
+        self.n_launch = math.ceil(launched * (1.0 + over_provision) - 1e-9) * group_size
+        self.informative = informative
+        self.n_groups = launched if informative is None else informative
 
     def _reset(self, now: float) -> None:
         super()._reset(now)
         self.group_usable: dict[int, int] = {}
+        self.group_rewards: dict[int, list[float]] = {}
         self.complete_groups: list[int] = []
+        self.flat_groups = 0
 
-    def on_done(self, index: int, group: int, status: Status, now: float) -> bool:
+    def on_done(
+        self, index: int, group: int, status: Status, now: float, reward: float | None = None
+    ) -> bool:
         if not self.cut and status in FINISHED:
             count = self.group_usable.get(group, 0) + 1
             self.group_usable[group] = count
+            if self.informative is not None:  # a member without a reward: never informative
+                self.group_rewards.setdefault(group, []).append(
+                    float("inf") if reward is None else reward
+                )
             if count == self.group_size:
-                self.complete_groups.append(group)
-        return super().on_done(index, group, status, now)
+                if self.informative is None or _informative(self.group_rewards.pop(group)):
+                    self.complete_groups.append(group)
+                else:
+                    self.flat_groups += 1
+        return super().on_done(index, group, status, now, reward)
 
     def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
         return len(self.complete_groups) >= self.n_groups
@@ -192,7 +222,14 @@ class GroupQuota(CutoffPolicy):
         return self.n_groups * self.group_size
 
     def select(self, samples: Sequence[Sample]) -> list[int]:
+        """The first ``n_groups`` complete groups; under ``informative``, the complete groups
+        with equal rewards too (the group filter drops and counts them)."""
         keep = set(self.complete_groups[: self.n_groups])
+        if self.informative is not None:
+            usable = self.group_usable
+            keep |= {g for g, n in usable.items() if n == self.group_size} - set(
+                self.complete_groups
+            )
         return [s.index for s in samples if s.group in keep and s.status in FINISHED]
 
 
@@ -301,6 +338,10 @@ class Deadline(CutoffPolicy):
         self.history.extend(float(x) for x in state.get("history", []))
 
 
+def _informative(rewards: list[float]) -> bool:
+    return math.inf not in rewards and is_informative(rewards)
+
+
 def quantile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile of already sorted values (numpy's default method)."""
     if not sorted_values:
@@ -330,6 +371,15 @@ POLICIES: dict[str, PolicyFactory] = {
 }
 
 
-def make_policy(cfg: CutoffConfig, n_target: int, group_size: int = 1) -> CutoffPolicy:
-    """Build the configured policy for a step that wants ``n_target`` samples."""
+def make_policy(
+    cfg: CutoffConfig, n_target: int, group_size: int = 1, informative: int | None = None
+) -> CutoffPolicy:
+    """Build the configured policy for a step that launches for ``n_target`` samples;
+    ``informative=k``: group-quota cuts at the k-th complete informative group."""
+    if informative is not None:
+        if cfg.policy != "group-quota":
+            raise ValueError(
+                f"a quota of informative groups is group-quota's, not cutoff.policy={cfg.policy}"
+            )
+        return GroupQuota(n_target, group_size, cfg.over_provision, informative)
     return POLICIES[cfg.policy](cfg, n_target, group_size)

@@ -54,8 +54,8 @@ class _WorkerActor:
         report = None
         if coordinator is not None:
 
-            def report(index: int, group: int, status: Status) -> None:
-                coordinator.report.remote(index, group, status)
+            def report(index: int, group: int, status: Status, reward: float | None) -> None:
+                coordinator.report.remote(index, group, status, reward)
 
         return await self.worker.run_step(step, samples, policy, report, options)
 
@@ -78,8 +78,10 @@ class _CoordinatorActor:
     async def start(self) -> None:
         self.coord.start()
 
-    async def report(self, index: int, group: int, status: Status) -> None:
-        self.coord.report(index, group, status)
+    async def report(
+        self, index: int, group: int, status: Status, reward: float | None = None
+    ) -> None:
+        self.coord.report(index, group, status, reward)
 
     async def worker_lost(self, rank: int) -> None:
         self.coord.worker_lost(rank)

@@ -244,7 +244,9 @@ class _StepRun:
             self.admission.done(sample)
         if self.control is not None and self.control.on_sample_done is not None:
             self.control.on_sample_done(sample)
-        if self.cut_reason is None and self.policy.on_done(sample.index, sample.group, status, now):
+        if self.cut_reason is None and self.policy.on_done(
+            sample.index, sample.group, status, now, sample.reward
+        ):
             self._decide_cut("target")
         if self.pending == 0:
             self.wake.set()

@@ -104,13 +104,13 @@ class Coordinator:
         self.decided_at = None
         self.reason = None
 
-    def report(self, index: int, group: int, status: Status) -> None:
+    def report(self, index: int, group: int, status: Status, reward: float | None = None) -> None:
         """Sample ``index`` (its index in the whole step) reached ``status``."""
         if index in self.reported:
             return
         self.reported.add(index)
         now = asyncio.get_running_loop().time()
-        if self.reason is None and self.policy.on_done(index, group, status, now):
+        if self.reason is None and self.policy.on_done(index, group, status, now, reward):
             self._cut("target")
         self._wake.set()
 
@@ -186,7 +186,7 @@ class RolloutWorker:
         step: int,
         samples: list[Sample],
         policy: CutoffPolicy,
-        report: Callable[[int, int, Status], object] | None = None,
+        report: Callable[[int, int, Status, float | None], object] | None = None,
         options: StepOptions = DEFAULT_STEP_OPTIONS,
     ) -> WorkerResult:
         if not samples:
@@ -198,7 +198,7 @@ class RolloutWorker:
 
         def done(sample: Sample) -> None:
             if report is not None:
-                report(sample.index, sample.group, sample.status)
+                report(sample.index, sample.group, sample.status, sample.reward)
 
         self.cut_received_at = None
         self.control = CutHandle(done)

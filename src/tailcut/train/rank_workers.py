@@ -121,8 +121,9 @@ class _Keys:
 
 
 def _pusher(store: Any, key: str) -> Any:
-    def push(index: int, group: int, status: Status) -> None:
-        store.queue_push(key, f"{index},{group},{status.value}")
+    def push(index: int, group: int, status: Status, reward: float | None) -> None:
+        value = "" if reward is None else repr(reward)  # repr: the float, exactly
+        store.queue_push(key, f"{index},{group},{status.value},{value}")
 
     return push
 
@@ -131,8 +132,8 @@ async def _drain_once(store: Any, key: str, coord: Coordinator) -> None:
     n = await asyncio.to_thread(store.queue_len, key)
     for _ in range(n):
         raw = await asyncio.to_thread(store.queue_pop, key, False)
-        index, group, status = raw.decode().split(",")
-        coord.report(int(index), int(group), Status(status))
+        index, group, status, reward = raw.decode().split(",")
+        coord.report(int(index), int(group), Status(status), float(reward) if reward else None)
 
 
 async def _drain(store: Any, key: str, coord: Coordinator, last: asyncio.Event) -> None:

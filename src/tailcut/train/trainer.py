@@ -153,6 +153,9 @@ class Trainer:
             else None
         )
         self.budget = Budget(cfg.cutoff, cfg.data.batch_size, first_round)
+        self.informative_quota = a.filter_groups != "none" and cfg.cutoff.policy == "group-quota"
+        """The group filter under group-quota: the cut counts complete informative groups,
+        and the filter's share is over the complete groups (the others were cut whole)."""
         """Long rounds, the adaptive cut, the length ledger, skipped steps (checkpointed)."""
         self.next_group = 0
         self.step = 0
@@ -252,7 +255,7 @@ class Trainer:
         long_round = self.budget.long_round_due(step, workers)
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
         fresh = self.budget.first_round_groups() * self.cfg.algo.group_size
-        policy = self._policy(fresh + len(taken.resumed))
+        policy = self._policy(fresh + len(taken.resumed), self.cfg.data.batch_size)
         lr = self.budget.take_long_round(step, workers) if long_round else None
         if lr is not None:  # withheld groups' cut members resume; other prompts run whole
             again = [*taken.resumed, *lr.resumed]
@@ -353,6 +356,8 @@ class Trainer:
             rows = concat_plans(plans)
             base = self.buffer.baseline_rewards(rows.groups) if self.partial else None
             good = int(self.ranks.broadcast(len(informative_groups(rows, base))))
+            if self.informative_quota:  # the groups that completed before the cut
+                seen = int(self.ranks.broadcast(len(set(rows.groups))))
             missing = self.cfg.data.batch_size - good
             if missing <= 0 or rounds >= a.max_gen_rounds:
                 break
@@ -364,12 +369,12 @@ class Trainer:
                 * g
             )
             rounds += 1
-            policy = self._policy(n)  # over-provision, group-quota: launches more than n
+            policy = self._policy(n, missing)  # over-provision, group-quota: more than n
             stream = EXTRA_ROUND_STREAM + rounds
             samples = self._launch(step, [], policy.n_launch, stream=stream)
             result = await self._rollout(step, samples, policy, uncut=uncut, learn=False)
             plans.append(self._rows(step, result))
-            seen += len(samples) // g
+            seen += len(samples) // g  # (informative_quota: recounted from the rows)
             launched += len(samples)
         metrics["batch/gen_rounds"] = float(rounds)
         metrics["rollout/launched_extra"] = float(launched)
@@ -404,10 +409,13 @@ class Trainer:
     def _reward_s(self) -> float:
         return self.setup.reward_seconds() if self.setup.reward_seconds else 0.0
 
-    def _policy(self, n_target: int) -> CutoffPolicy:
+    def _policy(self, n_target: int, informative: int | None = None) -> CutoffPolicy:
         """A cut-off policy for ``n_target`` samples (built once a round, with the state it
-        has learned and this step's adaptive share)."""
-        policy = make_policy(self.budget.cutoff(), n_target, self.cfg.algo.group_size)
+        has learned and this step's adaptive share); with the group filter, group-quota cuts
+        at ``informative`` complete informative groups (``informative_quota``)."""
+        cfg = self.budget.cutoff()
+        quota = informative if self.informative_quota else None
+        policy = make_policy(cfg, n_target, self.cfg.algo.group_size, quota)
         policy.load_state_dict(self.policy_state)
         return policy
 
