@@ -356,8 +356,9 @@ class Trainer:
             rows = concat_plans(plans)
             base = self.buffer.baseline_rewards(rows.groups) if self.partial else None
             good = int(self.ranks.broadcast(len(informative_groups(rows, base))))
-            if self.informative_quota:  # the groups that completed before the cut
-                seen = int(self.ranks.broadcast(len(set(rows.groups))))
+            if self.informative_quota:  # the groups that completed before the cut (kept)
+                kept = {s.group for s, ok in zip(rows.samples, rows.valid, strict=True) if ok}
+                seen = int(self.ranks.broadcast(len(kept)))
             missing = self.cfg.data.batch_size - good
             if missing <= 0 or rounds >= a.max_gen_rounds:
                 break
