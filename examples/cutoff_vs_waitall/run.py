@@ -138,10 +138,14 @@ def time_to_reach(rows: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
-def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[str, Any]]:
+def summarize(
+    runs: dict[str, Path], reach_frac: float = 0.9, levels: tuple[float, ...] = ()
+) -> dict[str, dict[str, Any]]:
     """Per variant: steps, timings, validation, time to wait-all's final validation reward
     and to ``reach_frac`` of it (robust when the curves plateau within the validation's
-    noise of one problem in ``val_size``), and each estimator's mean bias on audit steps."""
+    noise of one problem in ``val_size``), and each estimator's mean bias on audit steps;
+    for each of ``levels``, the time to that validation reward over its control's
+    (wait-all+filter for a filtered variant, else wait-all: ``reach_<level>``)."""
     data = {name: with_wall_time(read_metrics(p / "metrics.jsonl")) for name, p in runs.items()}
     base = data.get("wait-all")
     base_final = _final_val(base) if base else None
@@ -179,6 +183,10 @@ def summarize(runs: dict[str, Path], reach_frac: float = 0.9) -> dict[str, dict[
             row["reach_target"] = reach_frac * base_final
             row["time_to_near_s"] = near
             row["near_ratio_vs_waitall"] = near / base_near if near and base_near else None
+        for level in levels:
+            ctrl = data.get(FILTER_CONTROL if name.endswith("+filter") else "wait-all")
+            mine, theirs = time_to_reach(rows, level), time_to_reach(ctrl or [], level)
+            row[f"reach_{level:g}"] = mine / theirs if mine and theirs else None
         own = data.get(FILTER_CONTROL)
         if name.endswith("+filter") and own and (own_final := _final_val(own)) is not None:
             reach, own_reach = time_to_reach(rows, own_final), time_to_reach(own, own_final)
@@ -287,9 +295,15 @@ def plots(runs: dict[str, Path], summary: dict[str, dict[str, Any]], out: Path) 
     plt.close(fig)
 
 
-def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
+def across_seeds(
+    per_seed: dict[int, dict[str, dict[str, Any]]], levels: tuple[float, ...] = ()
+) -> str:
     """A table of each variant's figures over seeds: mean [min, max]."""
+    reach = tuple(
+        (f"reach_{v:g}", f"time to val {v:g}, ratio to its control", ".2f") for v in levels
+    )
     keys = (
+        *reach,
         ("step_s", "s/step", ".2f"),
         ("aborted_ratio", "aborted", ".0%"),
         ("val_final", "val final", ".3f"),
@@ -329,7 +343,7 @@ def across_seeds(per_seed: dict[int, dict[str, dict[str, Any]]]) -> str:
                 cells.append("—")
                 continue
             cell = f"{_fmt(_mean(got), spec)} [{_fmt(min(got), spec)}, {_fmt(max(got), spec)}]"
-            if "_vs_" in key:
+            if "_vs_" in key or key.startswith("reach_"):
                 cell += f" ({len(got)}/{len(vals)})"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -350,6 +364,12 @@ def main() -> None:
     ap.add_argument(
         "--reach-frac", type=float, default=0.9, help="also time to this share of wait-all's final"
     )
+    ap.add_argument(
+        "--levels",
+        default="",
+        help="comma-separated validation rewards: time to each over the control's "
+        "(wait-all+filter for a +filter variant, else wait-all)",
+    )
     ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds (one run each)")
     ap.add_argument("--jobs", type=int, default=1, help="trainings run at once (processes)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
@@ -366,6 +386,12 @@ def main() -> None:
     except ValueError:
         raise SystemExit(
             f"--seeds: expected comma-separated integers, got {args.seeds!r}"
+        ) from None
+    try:
+        levels = tuple(float(x) for x in args.levels.split(",") if x)
+    except ValueError:
+        raise SystemExit(
+            f"--levels: expected comma-separated numbers, got {args.levels!r}"
         ) from None
     outs = {None: args.out} if seeds is None else {s: args.out / f"seed_{s}" for s in seeds}
     jobs = [
@@ -384,7 +410,7 @@ def main() -> None:
     texts = []
     for seed, out in outs.items():
         runs = {name: out / name.replace("/", "-") for name in names}
-        summary = summarize(runs, args.reach_frac)
+        summary = summarize(runs, args.reach_frac, levels)
         text = table(summary, args.budget_s)
         (out / "results.md").write_text(text, encoding="utf-8")
         (out / "results.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -393,7 +419,7 @@ def main() -> None:
         if seed is not None:
             per_seed[seed] = summary
     if len(per_seed) > 1:
-        texts.append(across_seeds(per_seed))
+        texts.append(across_seeds(per_seed, levels))
         (args.out / "results.md").write_text("\n".join(texts), encoding="utf-8")
     print("\n".join(texts))
 
