@@ -70,6 +70,24 @@ def test_n_workers_cut_and_train_like_one(
         assert files == [f"worker_{r}.jsonl" for r in range(workers)]
 
 
+def test_the_informative_quota_over_workers_cuts_like_one(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    """group-quota under the group filter over two workers: the rewards reach the global
+    cut with each completion, so it cuts at the same informative group as one worker."""
+    over = (
+        "cutoff.policy=group-quota", "cutoff.over_provision=1.0", "algo.filter_groups=zero-std",
+        "algo.filter_first_round=batch",
+    )  # fmt: skip
+    one = _train(tiny_config(tmp_path / "one", *over), chat_tokenizer)
+    many = _train(tiny_config(tmp_path / "many", *over, "rollout.workers=2"), chat_tokenizer)
+    assert any(r["rollout/aborted"] > 0 for r in one[1:])  # the quota really cuts
+    keys = (*SAME, "batch/informative_groups", "batch/filtered_groups", "batch/gen_rounds")
+    for a, b in zip(one[1:], many[1:], strict=True):
+        for k in keys:
+            assert a.get(k) == b.get(k), (a["step"], k)
+
+
 def test_deadline_policy_over_workers_learns_like_one(tmp_path: Path, chat_tokenizer: Any) -> None:
     over = ("cutoff.policy=deadline", "cutoff.min_fraction=0.5", "trainer.steps=3")
     one = _train(tiny_config(tmp_path / "one", *over), chat_tokenizer)
