@@ -193,7 +193,7 @@ class GroupQuota(CutoffPolicy):
     def _reset(self, now: float) -> None:
         super()._reset(now)
         self.group_usable: dict[int, int] = {}
-        self.group_rewards: dict[int, list[float]] = {}
+        self.group_rewards: dict[int, list[float | None]] = {}
         self.complete_groups: list[int] = []
         self.flat_groups = 0
 
@@ -203,10 +203,8 @@ class GroupQuota(CutoffPolicy):
         if not self.cut and status in FINISHED:
             count = self.group_usable.get(group, 0) + 1
             self.group_usable[group] = count
-            if self.informative is not None:  # a member without a reward: never informative
-                self.group_rewards.setdefault(group, []).append(
-                    float("inf") if reward is None else reward
-                )
+            if self.informative is not None:
+                self.group_rewards.setdefault(group, []).append(reward)
             if count == self.group_size:
                 if self.informative is None or _informative(self.group_rewards.pop(group)):
                     self.complete_groups.append(group)
@@ -338,8 +336,10 @@ class Deadline(CutoffPolicy):
         self.history.extend(float(x) for x in state.get("history", []))
 
 
-def _informative(rewards: list[float]) -> bool:
-    return math.inf not in rewards and is_informative(rewards)
+def _informative(rewards: list[float | None]) -> bool:
+    """A complete group's rewards differ; a member without a reward makes it never count."""
+    known = [r for r in rewards if r is not None]
+    return len(known) == len(rewards) and is_informative(known)
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
