@@ -181,6 +181,62 @@ def test_the_learned_first_round_launches_for_the_filters_share(
         assert trainer._state()["budget"]["first_round"]["shares"] == pytest.approx(shares)
 
 
+def test_a_learned_share_leaves_out_the_groups_withheld_for_a_long_round(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, "cutoff.aborted=drop", "cutoff.long_rounds=true",
+        "cutoff.max_staleness=4", "algo.filter_groups=zero-std", "trainer.steps=4",
+    )  # fmt: skip
+    trainer, rows = _train(cfg, chat_tokenizer)
+    assert trainer.budget.first_round is not None
+    short = [r for r in rows if not r["long/round"]]
+    assert any(r["long/withheld_groups"] for r in short)
+    shares = list(trainer.budget.first_round.shares)
+    assert len(shares) == len(short)
+    for r, got in zip(short, shares, strict=True):  # withheld groups' rows come later
+        good = r["batch/informative_groups"] + r["batch/surplus_groups"]
+        planned = r["batch/first_round_groups"] + r["rollout/launched_extra"] / 4
+        seen = planned - r["long/withheld_groups"]
+        assert got == pytest.approx(min(1.0, good / seen) if seen > 0 else 1.0)
+
+
+@pytest.mark.parametrize("policy", ["group-quota", "over-provision"])
+def test_the_learned_share_counts_planned_or_complete_groups_and_survives_a_resume(
+    tmp_path: Path, chat_tokenizer: Any, policy: str
+) -> None:
+    """over-provision: informative groups per group *planned* (its extra launch is not
+    counted twice); group-quota: per complete group kept (the cut groups are unknown)."""
+    extra = (
+        f"cutoff.policy={policy}", "cutoff.over_provision=1.0", "cutoff.aborted=drop",
+        "trainer.val_every=0", "algo.filter_groups=zero-std", "trainer.steps=4",
+    )  # fmt: skip
+    trainer, full = _train(tiny_config(tmp_path / "full", *extra), chat_tokenizer)
+    assert trainer.budget.first_round is not None
+    want = []
+    for r in full:
+        good = r["batch/informative_groups"] + r["batch/surplus_groups"]
+        if policy == "group-quota":  # drop: the rows are the complete groups kept
+            want.append(good / (good + r["batch/filtered_groups"]))
+        elif r["batch/gen_rounds"] == 0:
+            want.append(min(1.0, good / r["batch/first_round_groups"]))
+        else:
+            want.append(None)
+    got = list(trainer.budget.first_round.shares)
+    assert len(got) == len(full) and any(w is not None and w < 1 for w in want)
+    for w, g in zip(want, got, strict=True):
+        if w is not None:
+            assert g == pytest.approx(w)
+    for r in full:
+        assert r["rollout/launched"] == r["batch/first_round_groups"] * 4 * 2  # (1 + o) = 2
+
+    cfg = tiny_config(tmp_path / "cut", *extra)
+    train_killed(cfg, chat_tokenizer, step=3)
+    _, resumed = _train(cfg, chat_tokenizer)
+    for k in ("batch/first_round_groups", "rollout/launched", "train/loss"):
+        assert [r.get(k) for r in resumed[2:]] == [r.get(k) for r in full[2:]], k
+
+
 def test_a_step_the_filter_empties_is_skipped_and_counted(
     tmp_path: Path, chat_tokenizer: Any
 ) -> None:

@@ -22,6 +22,8 @@ BASE = ["engine.kind=hf"]
         (["cutoff.adapt=true", "cutoff.abort_ratio=0.5"], "cutoff.abort_ratio:"),
         (["cutoff.adapt=true", "cutoff.policy=over-provision", "cutoff.over_provision=1.0"],
          "cutoff.over_provision:"),
+        (["cutoff.adapt=true", "cutoff.policy=group-quota", "cutoff.over_provision=0.25",
+          "algo.filter_groups=zero-std"], "cutoff.adapt: under algo.filter_groups"),
         (["algo.filter_groups=all"], "algo.filter_groups"),
         (["algo.max_gen_rounds=-1"], "algo.max_gen_rounds"),
         (["rollout.max_retries=-1"], "rollout.max_retries"),

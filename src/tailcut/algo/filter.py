@@ -126,7 +126,9 @@ def groups_to_launch(missing: int, informative: int, seen: int, *, cap: int, flo
 
 class FirstRound:
     """The groups a step's first round launches under the filter: ``batch`` over the lowest
-    informative share (informative groups per launched group, after the cut) of the last
+    informative share (informative groups per group planned, after the cut; the trainer
+    counts the groups its policy was asked for, not an over-provisioned launch, and leaves
+    out groups withheld for a long round) of the last
     ``window`` steps, so that an extra round — a whole rollout's wall time for a few groups —
     is the exception; at least ``batch``, at most ``cap``. Before any step it launches
     ``batch`` (nothing learned yet). Its state is the window (checkpointed)."""

@@ -383,6 +383,12 @@ class TrainConfig(_Model):
                 f"cutoff.adapt: adapts the cut of target-count, over-provision or group-quota, "
                 f"not cutoff.policy={c.policy}"
             )
+        if c.policy == "group-quota" and self.algo.filter_groups != "none":
+            raise ValueError(
+                "cutoff.adapt: under algo.filter_groups, group-quota cuts at the batch's "
+                "informative groups, not at a share the adaptive cut can model; set "
+                "cutoff.adapt=false or algo.filter_groups=none"
+            )
         if c.adapt_min >= c.adapt_max:
             raise ValueError(
                 f"cutoff.adapt_min: {c.adapt_min} must be below cutoff.adapt_max={c.adapt_max}"

@@ -122,7 +122,7 @@ class _Keys:
 
 def _pusher(store: Any, key: str) -> Any:
     def push(index: int, group: int, status: Status, reward: float | None) -> None:
-        value = "" if reward is None else repr(reward)  # repr: the float, exactly
+        value = "" if reward is None else repr(float(reward))  # repr: the float, exactly
         store.queue_push(key, f"{index},{group},{status.value},{value}")
 
     return push

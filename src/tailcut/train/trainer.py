@@ -152,10 +152,10 @@ class Trainer:
             if a.filter_groups != "none" and a.filter_first_round == "learned"
             else None
         )
-        self.budget = Budget(cfg.cutoff, cfg.data.batch_size, first_round)
         self.informative_quota = a.filter_groups != "none" and cfg.cutoff.policy == "group-quota"
         """The group filter under group-quota: the cut counts complete informative groups,
         and the filter's share is over the complete groups (the others were cut whole)."""
+        self.budget = Budget(cfg.cutoff, cfg.data.batch_size, first_round)
         """Long rounds, the adaptive cut, the length ledger, skipped steps (checkpointed)."""
         self.next_group = 0
         self.step = 0
@@ -254,8 +254,10 @@ class Trainer:
         workers = self.workers.n_workers
         long_round = self.budget.long_round_due(step, workers)
         audit = self.budget.audit_due(step, self.cfg.cutoff.audit_every, long_round)
-        fresh = self.budget.first_round_groups() * self.cfg.algo.group_size
-        policy = self._policy(fresh + len(taken.resumed), self.cfg.data.batch_size)
+        planned = self.cfg.data.batch_size if long_round else self.budget.first_round_groups()
+        policy = self._policy(
+            planned * self.cfg.algo.group_size + len(taken.resumed), self.cfg.data.batch_size
+        )
         lr = self.budget.take_long_round(step, workers) if long_round else None
         if lr is not None:  # withheld groups' cut members resume; other prompts run whole
             again = [*taken.resumed, *lr.resumed]
@@ -270,7 +272,9 @@ class Trainer:
             metrics["bias/length"] = self.budget.audit(
                 result.samples, policy.would_keep(result.samples), step
             )
-        rows, informative, seen = await self._fill(step, result, audit or long_round, metrics)
+        rows, informative, seen = await self._fill(
+            step, result, planned, audit or long_round, metrics
+        )
         rows = self.budget.join_kept(rows, lr)
         if not long_round:  # a long round's groups are the tail's, not the step's share
             self.budget.observe_filter(informative, seen)
@@ -333,24 +337,31 @@ class Trainer:
         metrics.update(await self._sync_weights())
         return t_train - since, time.monotonic() - t_train
 
-    def _rows(self, step: int, result: StepResult) -> RowPlan:
+    def _rows(self, step: int, result: StepResult) -> tuple[RowPlan, int]:
         """A round's rows (``cutoff.aborted``), its failures checked, groups with a cut member
-        withheld for a long round (``cutoff.long_rounds``, drop and mask)."""
+        withheld for a long round (``cutoff.long_rounds``, drop and mask); with the number
+        of groups withheld."""
         self._check_failures(step, result)
         rows = plan_rows(result.samples, result.kept, self.cfg.cutoff.aborted)
-        return rows if self.partial else self.budget.withhold(rows, result.samples, step)
+        if self.partial:
+            return rows, 0
+        kept = self.budget.withhold(rows, result.samples, step)
+        return kept, len(set(rows.groups) - set(kept.groups))
 
     async def _fill(
-        self, step: int, first: StepResult, uncut: bool, metrics: dict[str, float]
+        self, step: int, first: StepResult, planned: int, uncut: bool, metrics: dict[str, float]
     ) -> tuple[RowPlan, int, int]:
-        """The rows of the step's first round and, with ``algo.filter_groups``, of extra
-        rounds of fresh groups (cut by the same policy; at most ``algo.max_gen_rounds``)
-        while fewer than ``data.batch_size`` groups are informative; with the rows, the
-        informative groups and the groups launched (the filter's share, ``FirstRound``).
-        Rank 0's count decides for every rank."""
-        plans = [self._rows(step, first)]
+        """The rows of the step's first round (``planned`` groups asked of its policy) and,
+        with ``algo.filter_groups``, of extra rounds of fresh groups (cut by the same policy;
+        at most ``algo.max_gen_rounds``) while fewer than ``data.batch_size`` groups are
+        informative; with the rows, the informative groups and the groups they are a share
+        of (``FirstRound``): the groups planned, not the over-provisioned ones launched, less
+        those withheld for a long round (their rows come later) — under the informative
+        quota, the complete groups kept. Rank 0's count decides for every rank."""
+        plan, withheld = self._rows(step, first)
+        plans = [plan]
         a, g = self.cfg.algo, self.cfg.algo.group_size
-        seen = len({s.group for s in first.samples})
+        seen = planned - withheld
         rounds = launched = good = 0
         while a.filter_groups != "none":
             rows = concat_plans(plans)
@@ -374,12 +385,14 @@ class Trainer:
             stream = EXTRA_ROUND_STREAM + rounds
             samples = self._launch(step, [], policy.n_launch, stream=stream)
             result = await self._rollout(step, samples, policy, uncut=uncut, learn=False)
-            plans.append(self._rows(step, result))
-            seen += len(samples) // g  # (informative_quota: recounted from the rows)
+            plan, withheld = self._rows(step, result)
+            plans.append(plan)
+            seen += n // g - withheld  # (informative_quota: recounted from the rows)
             launched += len(samples)
         metrics["batch/gen_rounds"] = float(rounds)
         metrics["rollout/launched_extra"] = float(launched)
-        return (plans[0] if len(plans) == 1 else concat_plans(plans)), good, seen
+        # over-provision may withhold more groups than it planned: a share is at most 1
+        return (plans[0] if len(plans) == 1 else concat_plans(plans)), good, max(seen, good)
 
     def _check_failures(self, step: int, result: StepResult) -> None:
         """Show the step's FAILED samples by cause; past ``trainer.max_failed_fraction`` of
