@@ -138,6 +138,15 @@ def time_to_reach(rows: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def time_ratio(
+    rows: list[dict[str, Any]], control: list[dict[str, Any]], target: float
+) -> float | None:
+    """The time ``rows`` take to reach ``target`` over the time ``control`` takes (None
+    when either never does)."""
+    mine, theirs = time_to_reach(rows, target), time_to_reach(control, target)
+    return mine / theirs if mine and theirs else None
+
+
 def summarize(
     runs: dict[str, Path], reach_frac: float = 0.9, levels: tuple[float, ...] = ()
 ) -> dict[str, dict[str, Any]]:
@@ -185,12 +194,10 @@ def summarize(
             row["near_ratio_vs_waitall"] = near / base_near if near and base_near else None
         for level in levels:
             ctrl = data.get(FILTER_CONTROL if name.endswith("+filter") else "wait-all")
-            mine, theirs = time_to_reach(rows, level), time_to_reach(ctrl or [], level)
-            row[f"reach_{level:g}"] = mine / theirs if mine and theirs else None
+            row[f"reach_{level:g}"] = time_ratio(rows, ctrl or [], level)
         own = data.get(FILTER_CONTROL)
         if name.endswith("+filter") and own and (own_final := _final_val(own)) is not None:
-            reach, own_reach = time_to_reach(rows, own_final), time_to_reach(own, own_final)
-            row["time_ratio_vs_filter"] = reach / own_reach if reach and own_reach else None
+            row["time_ratio_vs_filter"] = time_ratio(rows, own, own_final)
         control = runs.get("wait-all")
         if (
             control is not None

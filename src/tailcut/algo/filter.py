@@ -119,7 +119,12 @@ def groups_to_launch(missing: int, informative: int, seen: int, *, cap: int, flo
     algo.max_gen_rounds`` rounds of a normal step's size) and at least ``floor``."""
     if missing <= 0:
         return 0
-    share = informative / seen if seen else 1.0
+    return groups_for_share(missing, informative / seen if seen else 1.0, cap=cap, floor=floor)
+
+
+def groups_for_share(missing: int, share: float, *, cap: int, floor: int) -> int:
+    """Groups to launch for ``missing`` informative ones when ``share`` of launched groups
+    turn out informative: ``missing / share`` (``cap`` when none do), within [floor, cap]."""
     want = math.ceil(missing / share - 1e-9) if share > 0 else cap
     return max(floor, min(cap, want))
 
@@ -139,20 +144,16 @@ class FirstRound:
         self.batch, self.cap = batch, cap
         self.shares: deque[float] = deque(maxlen=window)
 
-    def observe(self, informative: int, launched: int) -> None:
-        """One step's informative groups out of the fresh groups it launched (all rounds)."""
-        if launched > 0:
-            self.shares.append(informative / launched)
+    def observe(self, informative: int, groups: int) -> None:
+        """One step's informative groups out of the ``groups`` they are a share of (all
+        rounds; a step with none teaches nothing)."""
+        if groups > 0:
+            self.shares.append(informative / groups)
 
     def groups(self) -> int:
         if not self.shares:
             return self.batch
-        low = min(self.shares)
-        return (
-            self.cap
-            if low <= 0
-            else max(self.batch, min(self.cap, math.ceil(self.batch / low - 1e-9)))
-        )
+        return groups_for_share(self.batch, min(self.shares), cap=self.cap, floor=self.batch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": list(self.shares)}

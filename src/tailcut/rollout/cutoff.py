@@ -185,10 +185,10 @@ class GroupQuota(CutoffPolicy):
         if informative is not None and informative < 1:
             raise ValueError(f"group-quota: informative must be >= 1, got {informative}")
         super().__init__(n_target, group_size)
-        launched = n_target // group_size
-        self.n_launch = math.ceil(launched * (1.0 + over_provision) - 1e-9) * group_size
+        planned = n_target // group_size
+        self.n_launch = math.ceil(planned * (1.0 + over_provision) - 1e-9) * group_size
         self.informative = informative
-        self.n_groups = launched if informative is None else informative
+        self.n_groups = planned if informative is None else informative
 
     def _reset(self, now: float) -> None:
         super()._reset(now)
@@ -224,10 +224,8 @@ class GroupQuota(CutoffPolicy):
         with equal rewards too (the group filter drops and counts them)."""
         keep = set(self.complete_groups[: self.n_groups])
         if self.informative is not None:
-            usable = self.group_usable
-            keep |= {g for g, n in usable.items() if n == self.group_size} - set(
-                self.complete_groups
-            )
+            complete = {g for g, n in self.group_usable.items() if n == self.group_size}
+            keep |= complete - set(self.complete_groups)
         return [s.index for s in samples if s.group in keep and s.status in FINISHED]
 
 

@@ -157,10 +157,10 @@ class Budget:
 
     # -- after the step -------------------------------------------------------------------
 
-    def observe_filter(self, informative: int, launched: int) -> None:
-        """The group filter's share of one step: ``informative`` groups of ``launched``."""
+    def observe_filter(self, informative: int, groups: int) -> None:
+        """The group filter's share of one step: ``informative`` groups of ``groups``."""
         if self.first_round is not None:
-            self.first_round.observe(informative, launched)
+            self.first_round.observe(informative, groups)
 
     def learn(self, samples: Sequence[Sample], overhead_s: float) -> None:
         """The adaptive cut learns from the step's first round (``overhead_s``: its update
