@@ -108,6 +108,11 @@ class HFEngineConfig(_Model):
     a row that pass N finished runs one wasted column in N+1. Tokens are the same either
     way. Off by default until measured on a GPU; None: where decode passes replay CUDA
     graphs."""
+    decode_kernel: bool | None = False
+    """Decode passes run attention as one Triton kernel over each row's own cache columns
+    (``hf/decode_attention.py``) instead of a masked ``scaled_dot_product_attention`` over
+    the pass's widest row. Off by default until measured on a GPU (exact on CPU under
+    Triton's interpreter); None: on CUDA where Triton imports; true elsewhere is an error."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="engine.hf.compile_layers=false")
     ap.add_argument("--no-fuse", action="store_true", help="engine.hf.fuse_projections=false")
     ap.add_argument("--no-overlap", action="store_true", help="engine.hf.overlap=false")
+    ap.add_argument("--no-decode-kernel", action="store_true", help="engine.hf.decode_kernel=false")
     ap.add_argument("--no-release", action="store_true")
     ap.add_argument("--profile", action="store_true", help="where a decode pass's time goes")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -342,12 +343,13 @@ def main(argv: list[str] | None = None) -> None:
         "compile_layers": False if a.no_compile else None,
         "fuse_projections": False if a.no_fuse else None,
         "overlap": False if a.no_overlap else None,
+        "decode_kernel": False if a.no_decode_kernel else None,
     }
     if a.full_vocab:
         options["vocab_rows"] = 1 << 30  # capped at the head's rows by the engine
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
-        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else "") + (" (uncompiled)" if a.no_compile else "") + (" (unfused)" if a.no_fuse else "") + (" (no overlap)" if a.no_overlap else ""),
+        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else "") + (" (uncompiled)" if a.no_compile else "") + (" (unfused)" if a.no_fuse else "") + (" (no overlap)" if a.no_overlap else "") + (" (masked attention)" if a.no_decode_kernel else ""),
         engine_options=options, out=a.out, profile=a.profile,
     )  # fmt: skip
 

@@ -17,6 +17,10 @@ returned and applies, per layer:
   a key/value head are that head's queries, so the cache is read in place; otherwise the
   key/value heads are repeated to the query heads.
 
+In a decode pass with ``engine.hf.decode_kernel`` on, the call runs
+:func:`~tailcut.engine.hf.decode_attention.decode_attention` instead: one Triton kernel
+that reads each row's own columns (no mask), windows and soft-capping included.
+
 Masks are built from the pass's query positions (``SlotMasks.prefill`` / ``.decode``),
 once per distinct window per pass, on the device (inside a CUDA graph capture too). The
 4-D mask handed to the model as ``attention_mask`` only makes transformers' mask builders
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tailcut.engine.hf import decode_attention
+
 NAME = "tailcut_slots"
 """The attention implementation name the engine's model runs under."""
 
@@ -60,6 +66,8 @@ class SlotMasks:
         self._cols = torch.arange(width, device=pos.device)
         self._dtype = dtype
         self._masks: dict[int | None, torch.Tensor] = {}
+        self.ends: torch.Tensor | None = None
+        """A decode pass: each row's query column (``[rows]``), for the decode kernel."""
         self.calls = 0
         """Attention calls that read this pass's masks (one per layer of a forward)."""
 
@@ -77,7 +85,9 @@ class SlotMasks:
     @classmethod
     def decode(cls, ends: torch.Tensor, width: int, dtype: torch.dtype) -> SlotMasks:
         """One new token per row, at column ``ends[row]``; ``width`` key columns."""
-        return cls(ends[:, None], width, dtype)
+        masks = cls(ends[:, None], width, dtype)
+        masks.ends = ends
+        return masks
 
     @property
     def full(self) -> torch.Tensor:
@@ -104,14 +114,15 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def attending(masks: SlotMasks) -> Iterator[SlotMasks]:
-    """Run the model's attention on ``masks`` within this block (on this thread)."""
-    outer = getattr(_local, "masks", None)
-    _local.masks = masks
+def attending(masks: SlotMasks, *, kernel: bool = False) -> Iterator[SlotMasks]:
+    """Run the model's attention on ``masks`` within this block (on this thread);
+    ``kernel``: a decode pass's calls run the decode kernel where it applies."""
+    outer = getattr(_local, "masks", None), getattr(_local, "kernel", False)
+    _local.masks, _local.kernel = masks, kernel and masks.ends is not None
     try:
         yield masks
     finally:
-        _local.masks = outer
+        _local.masks, _local.kernel = outer
 
 
 @torch.compiler.disable
@@ -135,6 +146,14 @@ def slot_attention(
                 "engine does not implement; serve this model with engine.kind=vllm or sglang"
             )
     masks: SlotMasks | None = getattr(_local, "masks", None)
+    if masks is not None and _local.kernel and decode_attention.usable(query, dropout):
+        masks.calls += 1
+        assert masks.ends is not None
+        out = decode_attention.decode_attention(
+            query, key, value, masks.ends, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+        return out, None
     if masks is not None:
         masks.calls += 1
         attention_mask = masks.mask(sliding_window)

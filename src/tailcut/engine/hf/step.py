@@ -69,6 +69,7 @@ class PassRunner:
         vocab_rows: int | None = None,
         compile_layers: bool = False,
         fuse_projections: bool = False,
+        decode_kernel: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -76,6 +77,7 @@ class PassRunner:
         self._mode: LogprobMode = logprob_mode
         self._device = cache.shape.device
         self._max_prefill_tokens = max_prefill_tokens
+        self._decode_kernel = decode_kernel
         self._stage = HostStage(cache.shape.slots, self._device)
         self._last: torch.Tensor | None = None
         """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
@@ -123,7 +125,8 @@ class PassRunner:
             else contextlib.nullcontext()
         )
         fusing = fused.active() if fused is not None else contextlib.nullcontext()
-        with attention.attending(masks), compiled, fusing:
+        kernel = self._decode_kernel and self._cache.decoding
+        with attention.attending(masks, kernel=kernel), compiled, fusing:
             out = self._model(
                 input_ids=ids,
                 position_ids=pos,
