@@ -146,16 +146,14 @@ def slot_attention(
                 "engine does not implement; serve this model with engine.kind=vllm or sglang"
             )
     masks: SlotMasks | None = getattr(_local, "masks", None)
-    if masks is not None and _local.kernel and decode_attention.usable(query, dropout):
-        masks.calls += 1
-        assert masks.ends is not None
-        out = decode_attention.decode_attention(
-            query, key, value, masks.ends, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-            window=sliding_window, softcap=softcap,
-        )  # fmt: skip
-        return out, None
     if masks is not None:
         masks.calls += 1
+        if _local.kernel and masks.ends is not None and decode_attention.usable(query, dropout):
+            out = decode_attention.decode_attention(
+                query, key, value, masks.ends, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                window=sliding_window, softcap=softcap,
+            )  # fmt: skip
+            return out, None
         attention_mask = masks.mask(sliding_window)
     elif attention_mask is not None:  # transformers' eager mask (window applied already)
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
