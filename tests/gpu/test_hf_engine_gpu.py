@@ -66,8 +66,11 @@ def test_tiny_fp32_on_cuda_matches_generate_and_full_forward() -> None:
         assert r.output_ids == ref[0, len(p) :].tolist()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool) -> None:
+@pytest.mark.parametrize(
+    ("overlap", "kernel"), [(False, False), (True, False), (True, True)],
+    ids=["serial", "overlap", "overlap+kernel"],
+)  # fmt: skip
+def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool, kernel: bool) -> None:
     """Ragged, staggered greedy requests with several rows aborted at once: the graph
     replays (padded buckets) give exactly the eager tokens, and ``generate``'s — also with
     each pass queued before the previous one's tokens are read (``engine.hf.overlap``)."""
@@ -75,7 +78,9 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool) -> N
     ps = prompts(14, 512)
 
     async def main(graphs: bool) -> tuple[list[GenerateResult], int, int]:
-        cfg = HFEngineConfig(max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs)
+        cfg = HFEngineConfig(
+            max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel
+        )
         engine = HFEngine(model, cfg, max_batch_size=12, eos_ids=())
         try:
             tasks = [

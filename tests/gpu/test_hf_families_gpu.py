@@ -34,14 +34,16 @@ def req(prompt: list[int], n: int, **sp: Any) -> GenerateRequest:
     return GenerateRequest(new_request_id("gf"), prompt, sampling)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["masked", "kernel"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_on_cuda_graphs_matches_generate_and_full_forward(family: str) -> None:
+def test_family_on_cuda_graphs_matches_generate_and_full_forward(family: str, kernel: bool) -> None:
     model = tiny_model(family, VOCAB, initializer_range=0.5).cuda()
     ps = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(2 + 5 * i)] for i in range(6)]
     budgets = [30 - 3 * i for i in range(6)]
 
     async def main() -> tuple[list[GenerateResult], list[GenerateResult], int]:
-        engine = HFEngine(model, HFEngineConfig(max_seq_len=256), max_batch_size=4, eos_ids=())
+        cfg = HFEngineConfig(max_seq_len=256, decode_kernel=kernel)
+        engine = HFEngine(model, cfg, max_batch_size=4, eos_ids=())
         try:
             greedy = [
                 engine.generate(req(p, n, temperature=0.0))
@@ -75,15 +77,20 @@ def test_family_on_cuda_graphs_matches_generate_and_full_forward(family: str) ->
         )
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["masked", "kernel"])
 @pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
-def test_bf16_passes_the_probe_and_graphs_give_the_eager_tokens(family: str) -> None:
+def test_bf16_passes_the_probe_and_graphs_give_the_eager_tokens(family: str, kernel: bool) -> None:
     model = tiny_model(family, 4096, hidden=512, num_attention_heads=8, head_dim=64)
     model = model.to(device="cuda", dtype=torch.bfloat16)
     ps = [list(range(3 + i, 40 + 7 * i)) for i in range(5)]
 
     async def main(graphs: bool) -> tuple[list[list[int]], int]:
         cfg = HFEngineConfig(
-            max_seq_len=512, cuda_graphs=graphs, compile_layers=False, fuse_projections=False
+            max_seq_len=512,
+            cuda_graphs=graphs,
+            compile_layers=False,
+            fuse_projections=False,
+            decode_kernel=kernel,
         )
         engine = HFEngine(model, cfg, max_batch_size=8, eos_ids=())
         try:

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tailcut.bench.hf_sweep import run_hf_sweep
+from tailcut.bench.hf_sweep import card_gbs, run_hf_sweep
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,3 +35,14 @@ def test_the_sweep_reports_each_batch_and_where_a_pass_goes(tmp_path: Path) -> N
         p = b["profile"]  # the same requests once more, under the profiler
         assert p["decode_passes"] > 0 and p["wall_ms_per_pass"] > 0
         assert p["device_busy_ms_per_pass"] == 0.0 and p["kernels"] == []  # no device on CPU
+
+
+def test_the_bound_takes_the_cards_own_bandwidth() -> None:
+    """The bound's bandwidth defaults to the card's spec figure, found by its CUDA name; a
+    card not in the table is an error that names the option, never a silent H200 figure."""
+    assert card_gbs("NVIDIA H200") == 4800.0
+    assert card_gbs("NVIDIA H100 80GB HBM3") == 3350.0
+    assert card_gbs("NVIDIA H100 NVL") == 3900.0
+    assert card_gbs("NVIDIA H100 PCIe") == 2000.0
+    with pytest.raises(ValueError, match=r"'NVIDIA L4'.*--hbm-gbs"):
+        card_gbs("NVIDIA L4")

@@ -6,8 +6,8 @@ a warm-up run (CUDA graphs for the shapes it meets are captured there), then a t
 Reported per ``B``:
 
 * **tokens/s** and the **weight-read bound** beside it: a decode pass reads every weight
-  once, so at best it takes ``weight bytes / bandwidth`` (``hbm_gbs``; the H200's
-  4,800 GB/s by default) and yields ``mean batch`` tokens; ``of_bound`` is the bound's time
+  once, so at best it takes ``weight bytes / bandwidth`` (``hbm_gbs``; by default the
+  card's own, :data:`HBM_GBS`, and the H200's 4,800 GB/s off CUDA) and yields ``mean batch`` tokens; ``of_bound`` is the bound's time
   per pass over the measured one (KV-cache reads and the LM head's logits are extra work
   the bound leaves out, so 1.0 is out of reach);
 * **decode ms/pass** at the mean batch and **prefill ms/pass** (the worker's own timing:
@@ -35,7 +35,40 @@ from tailcut.bench.hf_bench import Workload, engine_run, make_workload
 from tailcut.types import GenerateRequest, SamplingParams, new_request_id
 
 H200_GBS = 4800.0
-"""HBM bandwidth of an H200 (GB/s), the default of ``hbm_gbs``."""
+"""HBM bandwidth of an H200 (GB/s), the bound's default off CUDA."""
+
+HBM_GBS = (
+    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+    ("A100-SXM4-80GB", 2039.0), ("A100-PCIE-80GB", 1935.0), ("A100", 1555.0),
+)  # fmt: skip
+"""Spec-sheet memory bandwidth (GB/s) by CUDA device name: the first entry whose name is
+part of ``torch.cuda.get_device_name`` gives the bound's default."""
+
+
+def default_hbm_gbs(device: Any) -> float:
+    """The bound's bandwidth for ``device`` (a ``torch.device``): the card's spec figure
+    (:data:`HBM_GBS`), the H200's off CUDA; a CUDA card not in the table is an error that
+    names ``--hbm-gbs``."""
+    if device.type != "cuda":
+        return H200_GBS
+    import torch
+
+    return card_gbs(torch.cuda.get_device_name(device))
+
+
+def card_name(device: Any) -> str | None:
+    """The CUDA card's name (None off CUDA)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def card_gbs(name: str) -> float:
+    """The spec bandwidth of the CUDA card called ``name`` (:data:`HBM_GBS`)."""
+    for part, gbs in HBM_GBS:
+        if part in name:
+            return gbs
+    raise ValueError(f"no memory bandwidth known for {name!r}: pass --hbm-gbs (GB/s) for the bound")
 
 
 def weight_bytes(model: Any) -> int:
@@ -226,7 +259,7 @@ async def _release_resume(engine: Any, wl: Workload) -> dict[str, Any]:
 
 def run_hf_sweep(
     model: str, batch_sizes: list[int], max_new_tokens: int = 128, *, device: str = "auto",
-    dtype: str = "auto", hbm_gbs: float = H200_GBS, seed: int = 0, release: bool = True,
+    dtype: str = "auto", hbm_gbs: float | None = None, seed: int = 0, release: bool = True,
     threads: int | None = None, json_out: bool = False, name: str | None = None,
     engine_options: dict[str, Any] | None = None, out: Path | None = None,
     profile: bool = False,
@@ -246,8 +279,9 @@ def run_hf_sweep(
     load_s = time.perf_counter() - start
     rows = tokenizer_rows(model)
     param = next(lm.parameters())
+    hbm_gbs = hbm_gbs or default_hbm_gbs(param.device)
     figures: dict[str, Any] = {
-        "model": name or model, "device": str(param.device),
+        "model": name or model, "device": str(param.device), "card": card_name(param.device),
         "dtype": str(param.dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
@@ -291,7 +325,7 @@ def _print(figures: dict[str, Any], json_out: bool) -> None:
     table = Table(
         title=f"HFEngine — {figures['model']} ({figures['params'] / 1e9:.2f}B, "
         f"{figures['vocab_size']:,} rows, {sampled} sampled) on "
-        f"{figures['device']}; bound at {figures['hbm_gbs']:.0f} GB/s"
+        f"{figures['card'] or figures['device']}; bound at {figures['hbm_gbs']:.0f} GB/s"
     )
     cols = ("batch", "tok/s", "bound tok/s", "of bound", "decode ms", "bound ms", "prefill ms",
             "peak GB", "release s", "resume s", "freed GB", "same greedy")  # fmt: skip
@@ -326,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--hbm-gbs", type=float, default=H200_GBS)
+    ap.add_argument(
+        "--hbm-gbs", type=float, help="bandwidth of the bound, GB/s (default: the card's)"
+    )
     ap.add_argument("--full-vocab", action="store_true", help="sample all rows of the head")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--no-compile", action="store_true", help="engine.hf.compile_layers=false")

@@ -91,7 +91,10 @@ BatchSizes = Annotated[
     ),
 ]  # fmt: skip
 HbmGbs = Annotated[
-    float, typer.Option(min=1.0, help="hf --batch-size: memory bandwidth of the bound, GB/s.")
+    float | None,
+    typer.Option(
+        min=1.0, help="hf --batch-size: memory bandwidth of the bound, GB/s (default: the card's)."
+    ),
 ]
 Workers = Annotated[
     int,
@@ -126,7 +129,7 @@ def bench(
     max_new_tokens: MaxNewTokens = 256, device: Device = "auto", concurrency: Concurrency = 64,
     lengths: Lengths = "budget", repeats: Repeats = 1, threads: Threads = None,
     workers: Workers = 1, scope: Scope = None, ray: Ray = False,
-    batch_size: BatchSizes = None, hbm_gbs: HbmGbs = 4800.0,
+    batch_size: BatchSizes = None, hbm_gbs: HbmGbs = None,
     spf_margin: SpfMargin = 0.05, spf_need_ratio: SpfNeedRatio = 1.0,
     max_running: MaxRunning = None, preemption: Preemption = None,
 ) -> None:  # fmt: skip
