@@ -27,7 +27,12 @@ from fakes.hf_runs import (  # noqa: E402
 from hf_families import FAMILIES, WINDOW, tiny_model  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf import decode_attention as kernel_module  # noqa: E402
-from tailcut.engine.hf.attention import SlotMasks, attending, slot_attention  # noqa: E402
+from tailcut.engine.hf.attention import (  # noqa: E402
+    SlotMasks,
+    attending,
+    defer_store,
+    slot_attention,
+)
 from tailcut.engine.hf.decode_attention import (  # noqa: E402
     decode_attention,
     decode_kernel_for,
@@ -99,6 +104,54 @@ def test_splitting_a_row_changes_nothing_but_rounding() -> None:
         torch.testing.assert_close(
             decode_attention(query, key, value, ends, scale=0.2, splits=splits), one
         )
+
+
+@pytest.mark.parametrize(("splits", "window"), [(1, None), (3, None), (4, 100), (16, None)])
+def test_the_kernel_stores_the_new_keys_and_values_as_it_reads_them(
+    splits: int, window: int | None
+) -> None:
+    """``new``: each row's newest key and value land in the cache at its column (and
+    nowhere else), and the output equals attending over the cache with them stored first;
+    with the row's columns split, the one program that holds the column stores it."""
+    gen = torch.Generator().manual_seed(splits)
+    rows, kv, heads, dim, width = 4, 2, 6, 32, 700
+    cache = torch.randn(2, rows + 1, kv, width + 5, dim, generator=gen)
+    before = cache.clone()
+    key, value = cache[0, :rows, :, :width], cache[1, :rows, :, :width]
+    query = torch.randn(rows, heads, 1, dim, generator=gen)
+    ends = torch.tensor([699, 0, 64, 333])
+    new = torch.randn(2, rows, kv, dim, generator=gen)
+    got = decode_attention(
+        query, key, value, ends, scale=0.3, window=window, splits=splits, new=new
+    )  # fmt: skip
+    want_cache = before.clone()
+    for r, end in enumerate(ends.tolist()):
+        want_cache[:, r, :, end] = new[:, r]
+    assert torch.equal(cache, want_cache)
+    want = reference(query, want_cache[0, :rows], want_cache[1, :rows], ends, 0.3, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="new keys/values"):
+        decode_attention(query, key, value, ends, scale=0.3, new=new[:, :2])
+
+
+def test_a_store_left_to_a_call_the_kernel_cannot_take_runs_before_the_masked_path() -> None:
+    """The slot cache leaves a layer's store to its attention call only in a kernel pass;
+    a call the kernel cannot take (here a head size over its limit) stores first, so the
+    masked path reads the new column."""
+    stored: list[int] = []
+    kv = torch.zeros(2, 2, 1, 4)
+    masks = SlotMasks.decode(torch.tensor([1, 2]), 3, torch.float32)
+    with attending(masks):
+        assert defer_store(kv, lambda: stored.append(1)) is False  # kernel off: stores now
+    dim = kernel_module.MAX_HEAD_DIM + 16
+    key = torch.zeros(2, 1, 3, dim)
+    with attending(masks, kernel=True):
+        assert defer_store(kv, lambda: (stored.append(2), key[:, :, 2].fill_(1.0))) is True
+        assert stored == [] and masks.pending is not None
+        query = torch.ones(2, 2, 1, dim)
+        out, _ = slot_attention(torch.nn.Identity(), query, key, key.clone().normal_(), None)
+    assert stored == [2] and masks.pending is None and out.shape == (2, 1, 2, dim)
+    assert torch.equal(key[0, :, 2], torch.ones(1, dim))  # the store ran
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 4.0)])

@@ -19,7 +19,9 @@ returned and applies, per layer:
 
 In a decode pass with ``engine.hf.decode_kernel`` on, the call runs
 :func:`~tailcut.engine.hf.decode_attention.decode_attention` instead: one Triton kernel
-that reads each row's own columns (no mask), windows and soft-capping included.
+that reads each row's own columns (no mask), windows and soft-capping included, and stores
+the layer's new keys and values itself (the slot cache leaves that store to the call:
+:func:`defer_store`).
 
 Masks are built from the pass's query positions (``SlotMasks.prefill`` / ``.decode``),
 once per distinct window per pass, on the device (inside a CUDA graph capture too). The
@@ -37,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +70,8 @@ class SlotMasks:
         self._masks: dict[int | None, torch.Tensor] = {}
         self.ends: torch.Tensor | None = None
         """A decode pass: each row's query column (``[rows]``), for the decode kernel."""
+        self.pending: tuple[torch.Tensor, Callable[[], None]] | None = None
+        """A layer's new keys and values whose store was left to its attention call."""
         self.calls = 0
         """Attention calls that read this pass's masks (one per layer of a forward)."""
 
@@ -113,6 +117,18 @@ class SlotMasks:
 _local = threading.local()
 
 
+def defer_store(kv: torch.Tensor, store: Callable[[], None]) -> bool:
+    """A decode pass's new keys and values of one layer (``kv [2, rows, kv_heads, d]``),
+    about to be stored by ``store``: where the pass runs the decode kernel, the store is
+    left to the layer's attention call (the kernel writes them as it reads them; a call
+    the kernel cannot take runs ``store`` first). Returns whether it was left."""
+    masks: SlotMasks | None = getattr(_local, "masks", None)
+    if masks is None or not getattr(_local, "kernel", False):
+        return False
+    masks.pending = (kv, store)
+    return True
+
+
 @contextlib.contextmanager
 def attending(masks: SlotMasks, *, kernel: bool = False) -> Iterator[SlotMasks]:
     """Run the model's attention on ``masks`` within this block (on this thread);
@@ -148,12 +164,15 @@ def slot_attention(
     masks: SlotMasks | None = getattr(_local, "masks", None)
     if masks is not None:
         masks.calls += 1
+        pending, masks.pending = masks.pending, None
         if _local.kernel and masks.ends is not None and decode_attention.usable(query, dropout):
             out = decode_attention.decode_attention(
                 query, key, value, masks.ends, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                window=sliding_window, softcap=softcap,
+                window=sliding_window, softcap=softcap, new=None if pending is None else pending[0],
             )  # fmt: skip
             return out, None
+        if pending is not None:
+            pending[1]()
         attention_mask = masks.mask(sliding_window)
     elif attention_mask is not None:  # transformers' eager mask (window applied already)
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]

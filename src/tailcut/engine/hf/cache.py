@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from tailcut.engine.hf import attention
+
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
@@ -205,11 +207,17 @@ class SlotKVCache:
     @torch.compiler.disable
     def _write_decode(self, kv: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv [2, rows, kv_heads, head_dim]``: each row's new key and value, stored at
-        its column (one ``index_copy_``: ``begin_decode`` made the targets); returns the keys
-        and values the pass attends over."""
+        its column (one ``index_copy_``: ``begin_decode`` made the targets) — or, where the
+        pass runs the decode kernel, by that kernel as it reads them; returns the keys and
+        values the pass attends over."""
         layer = self.buf[layer_idx]
-        dim = self.shape.head_dim
-        layer.view(2, -1, dim).index_copy_(1, self._targets, kv.reshape(2, -1, dim))
+        dim, targets = self.shape.head_dim, self._targets
+
+        def store() -> None:
+            layer.view(2, -1, dim).index_copy_(1, targets, kv.reshape(2, -1, dim))
+
+        if not attention.defer_store(kv, store):  # else the decode kernel stores them
+            store()
         width = self._width
         return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
 

@@ -12,6 +12,8 @@ then copies the output into the layout the model's output projection reads. This
   query attention) are one tile, so each key and value is read once per head group;
 * splits a row's columns over several programs when the rows are few and long (the
   flash-decoding split: partial maxima, sums and outputs, merged by a second kernel);
+* stores the pass's new key and value of each row (``new``) as it reads them — the eager
+  path's separate indexed store per layer is gone;
 * writes ``[rows, 1, heads, head_dim]`` directly, applies soft-capping (Gemma 2) and the
   sliding window, softmax in float32 — the arithmetic of the eager path, with the
   probabilities rounded to the cache's dtype before the value product, as flash attention
@@ -86,12 +88,15 @@ def decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     splits: int | None = None,
+    new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``query [rows, heads, 1, d]``; ``key``/``value [rows, kv_heads, width, d]`` (views
     of the cache, any strides with the last dim contiguous); ``ends [rows]``: the column of
     each row's newest key (inclusive). Returns ``[rows, 1, heads, d]``, contiguous.
     ``splits``: programs per (row, head) (None: chosen from the rows and the widest row's
-    columns, ``key.shape[2]``)."""
+    columns, ``key.shape[2]``). ``new [2, rows, kv_heads, d]``: each row's newest key and
+    value, stored here at column ``ends[row]`` of ``key``/``value`` (and attended to from
+    the registers that stored them); None: they are in the cache already."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     if heads % kv_heads:
@@ -113,19 +118,24 @@ def decode_attention(
         "SOFTCAP": float(softcap or 0.0),
         # float32 caches multiply in float32 (not TF32): the eager path's arithmetic
         "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
+        "STORE": new is not None,
     }
+    if new is not None and new.shape != (2, rows, kv_heads, dim):
+        raise ValueError(f"new keys/values {tuple(new.shape)} != {(2, rows, kv_heads, dim)}")
+    fresh = key if new is None else new
+    fresh_strides = (0, 0, 0) if new is None else new.stride()[:3]
     ends = ends.to(torch.int32)
     q = query[:, :, 0]
-    strides = (*q.stride()[:2], *key.stride()[:3], *value.stride()[:3])
+    strides = (*q.stride()[:2], *key.stride()[:3], *value.stride()[:3], *fresh_strides)
     if splits <= 1:
         k["attend"][(rows, kv_heads)](
-            q, key, value, ends, out, None, 0, *strides, out.stride(0), out.stride(2),
+            q, key, value, fresh, ends, out, None, 0, *strides, out.stride(0), out.stride(2),
             scale, 1, **pad,
         )  # fmt: skip
         return out
     part = torch.empty(rows, heads, splits, dim + 2, dtype=torch.float32, device=query.device)
     k["attend"][(rows, kv_heads, splits)](
-        q, key, value, ends, out, part, part.stride(0), *strides, out.stride(0), out.stride(2),
+        q, key, value, fresh, ends, out, part, part.stride(0), *strides, out.stride(0), out.stride(2),
         scale, splits, **pad,
     )  # fmt: skip
     k["merge"][(rows, heads)](
@@ -156,11 +166,12 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def attend(
-        Q, K, V, ENDS, OUT, PART, sp_r,
-        sq_r, sq_h, sk_r, sk_h, sk_n, sv_r, sv_h, sv_n, so_r, so_h,
+        Q, K, V, NEW, ENDS, OUT, PART, sp_r,
+        sq_r, sq_h, sk_r, sk_h, sk_n, sv_r, sv_h, sv_n, sn_kv, sn_r, sn_h, so_r, so_h,
         scale, splits,
         GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+        STORE: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -186,12 +197,25 @@ def _kernels() -> dict[str, Any]:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         kbase = K + row * sk_r + kvh * sk_h
         vbase = V + row * sv_r + kvh * sv_h
+        if STORE:
+            # the row's newest key and value: read from the pass's inputs, not the cache, and
+            # stored into the cache by the one program whose columns hold ``end``
+            dmask = d < D
+            nk = tl.load(NEW + row * sn_r + kvh * sn_h + d, mask=dmask, other=0.0)
+            nv = tl.load(NEW + sn_kv + row * sn_r + kvh * sn_h + d, mask=dmask, other=0.0)
+            if split == (end // BLOCK_N - first) // per:
+                tl.store(kbase + end * sk_n + d, nk.to(K.dtype.element_ty), mask=dmask)
+                tl.store(vbase + end * sv_n + d, nv.to(V.dtype.element_ty), mask=dmask)
         col = start
         while col < stop:  # (a while loop: Triton's interpreter takes no tensor range bounds)
             cols = col + n
             live = (cols >= lo) & (cols <= end)
             tile = live[:, None] & (d < D)[None, :]
+            if STORE:
+                tile = tile & (cols != end)[:, None]
             k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=tile, other=0.0)
+            if STORE:
+                k = tl.where((cols == end)[:, None], nk[None, :].to(k.dtype), k)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAP > 0:
                 e = tl.exp(2.0 * s / SOFTCAP)  # tanh(x) = 1 - 2 / (e^{2x} + 1)
@@ -202,6 +226,8 @@ def _kernels() -> dict[str, Any]:
             alpha = tl.exp(m - top)
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=tile, other=0.0)
+            if STORE:
+                v = tl.where((cols == end)[:, None], nv[None, :].to(v.dtype), v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = top
             col += BLOCK_N
