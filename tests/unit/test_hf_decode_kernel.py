@@ -164,6 +164,7 @@ def test_slot_attention_runs_the_kernel_in_a_decode_pass_and_matches_the_mask(
     key, value = cache[:, :, 0, :width], cache[:, :, 1, :width]
     query = torch.randn(rows, 6, 1, dim, generator=gen)
     masks = SlotMasks.decode(torch.tensor([3, 23, 0, 11, 17]), width, torch.float32)
+    assert masks.ends is not None and masks.ends.dtype == torch.int32  # cast once a pass
     kw = {"sliding_window": window, "softcap": softcap}
     with attending(masks):
         eager, _ = slot_attention(torch.nn.Identity(), query, key, value, None, **kw)

@@ -90,7 +90,7 @@ class SlotMasks:
     def decode(cls, ends: torch.Tensor, width: int, dtype: torch.dtype) -> SlotMasks:
         """One new token per row, at column ``ends[row]``; ``width`` key columns."""
         masks = cls(ends[:, None], width, dtype)
-        masks.ends = ends
+        masks.ends = ends.to(torch.int32)  # the kernel's dtype, cast once a pass, not a layer
         return masks
 
     @property

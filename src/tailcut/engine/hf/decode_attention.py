@@ -124,7 +124,7 @@ def decode_attention(
         raise ValueError(f"new keys/values {tuple(new.shape)} != {(2, rows, kv_heads, dim)}")
     fresh = key if new is None else new
     fresh_strides = (0, 0, 0) if new is None else new.stride()[:3]
-    ends = ends.to(torch.int32)
+    ends = ends.to(torch.int32)  # a no-op for a pass's ``SlotMasks.ends`` (int32 already)
     q = query[:, :, 0]
     strides = (*q.stride()[:2], *key.stride()[:3], *value.stride()[:3], *fresh_strides)
     if splits <= 1:
