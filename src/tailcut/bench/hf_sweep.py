@@ -7,9 +7,10 @@ Reported per ``B``:
 
 * **tokens/s** and the **weight-read bound** beside it: a decode pass reads every weight
   once, so at best it takes ``weight bytes / bandwidth`` (``hbm_gbs``; by default the
-  card's own, :data:`HBM_GBS`, and the H200's 4,800 GB/s off CUDA) and yields ``mean batch`` tokens; ``of_bound`` is the bound's time
-  per pass over the measured one (KV-cache reads and the LM head's logits are extra work
-  the bound leaves out, so 1.0 is out of reach);
+  card's own, :data:`HBM_GBS`, and the H200's 4,800 GB/s off CUDA) and yields ``mean
+  batch`` tokens; ``of_bound`` is the bound's time per pass over the measured one
+  (KV-cache reads and the LM head's logits are extra work the bound leaves out, so 1.0 is
+  out of reach);
 * **decode ms/pass** at the mean batch and **prefill ms/pass** (the worker's own timing:
   each pass ends with its tokens on the host; graph captures excluded);
 * **peak memory** (``torch.cuda.max_memory_allocated`` during that ``B``, on CUDA) and the
@@ -42,18 +43,8 @@ HBM_GBS = (
     ("A100-SXM4-80GB", 2039.0), ("A100-PCIE-80GB", 1935.0), ("A100", 1555.0),
 )  # fmt: skip
 """Spec-sheet memory bandwidth (GB/s) by CUDA device name: the first entry whose name is
-part of ``torch.cuda.get_device_name`` gives the bound's default."""
-
-
-def default_hbm_gbs(device: Any) -> float:
-    """The bound's bandwidth for ``device`` (a ``torch.device``): the card's spec figure
-    (:data:`HBM_GBS`), the H200's off CUDA; a CUDA card not in the table is an error that
-    names ``--hbm-gbs``."""
-    if device.type != "cuda":
-        return H200_GBS
-    import torch
-
-    return card_gbs(torch.cuda.get_device_name(device))
+part of ``torch.cuda.get_device_name`` gives the bound's default (a CUDA card not in the
+table is an error that names ``--hbm-gbs``)."""
 
 
 def card_name(device: Any) -> str | None:
@@ -279,9 +270,10 @@ def run_hf_sweep(
     load_s = time.perf_counter() - start
     rows = tokenizer_rows(model)
     param = next(lm.parameters())
-    hbm_gbs = hbm_gbs or default_hbm_gbs(param.device)
+    card = card_name(param.device)
+    hbm_gbs = hbm_gbs or (H200_GBS if card is None else card_gbs(card))
     figures: dict[str, Any] = {
-        "model": name or model, "device": str(param.device), "card": card_name(param.device),
+        "model": name or model, "device": str(param.device), "card": card,
         "dtype": str(param.dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
