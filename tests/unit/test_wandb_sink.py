@@ -57,6 +57,9 @@ def test_metrics_config_and_tail_plot_reach_the_offline_run(tmp_path: Path, offl
     loggers.log(1, {"reward/completed_mean": 0.5, "train/loss": -0.125, "train/nan": math.nan})
     loggers.log(2, {"reward/completed_mean": 0.75, "rollout/aborted_ratio": 0.25})
     loggers.close()
+    # finish() returns once the service has the run's exit, but the service may still hold the
+    # last records in its writer's buffer: shutting it down (as a process exit does) flushes them.
+    wandb.teardown()
 
     got = read_run(offline)
     assert config_value(got, "algo") == config["algo"]
