@@ -114,6 +114,12 @@ class HFEngineConfig(_Model):
     an indexed store and a masked ``scaled_dot_product_attention`` over the pass's widest
     row. None: on CUDA where Triton imports (0.5B bf16 at batch 64 on an H100, with
     ``overlap``: 1.49 -> 1.39 ms a decode pass); true elsewhere is an error."""
+    sample_kernel: bool | None = None
+    """Passes whose rows all sample the full distribution (``top_p`` 1) draw their tokens
+    with one Triton kernel reading the logits in the model's dtype (``hf/sample_kernel.py``)
+    instead of the eager sampler's ~25 kernels over float32 copies; a pass with a top-p
+    row runs the eager one. None: off (not yet timed on a GPU against the eager sampler);
+    true where Triton cannot run is an error."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

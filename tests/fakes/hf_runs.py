@@ -101,3 +101,21 @@ def check_greedy_then_sampled(
     picked = torch.tensor(last.output_ids)[:, None]
     want = torch.log_softmax(logits / temperature, dim=-1).gather(1, picked).squeeze(1)
     torch.testing.assert_close(torch.tensor(last.logprobs), want, atol=2e-4, rtol=1e-4)
+
+
+def assert_inverse_cdf_draws(logp: Any, uniform: Any, tokens: Any, tolerance: float) -> None:
+    """Each row's token is the inverse CDF of ``logp [rows, vocab]`` (log-probs, computed in
+    float64 by the caller) at its uniform (clamped below 1, as the samplers clamp it): the
+    uniform lies in the token's CDF interval, up to ``tolerance`` (the float32 rounding of
+    the sampler's running sums), and the token has positive probability."""
+    import math
+
+    from tailcut.engine.hf.sampling import U_MAX
+
+    cdf = logp.exp().cumsum(dim=-1).cpu()
+    for row, tok in enumerate(tokens.tolist()):
+        u = min(float(uniform[row]), U_MAX)
+        lo = float(cdf[row, tok - 1]) if tok > 0 else 0.0
+        hi = float(cdf[row, tok])
+        assert lo - tolerance <= u <= hi + tolerance, (row, tok, lo, u, hi)
+        assert math.isfinite(float(logp[row, tok])), (row, tok)

@@ -2,7 +2,8 @@
 
 A float32 tiny Qwen2 checks exactness against ``model.generate`` and a full forward pass,
 with the decode pass replayed from CUDA graphs and without; the ~0.5B random-init Qwen2 in
-bf16 checks log-probs, aborts, slots and memory at a realistic size (graphs on).
+bf16 checks log-probs, aborts, slots and memory at a realistic size (graphs on); the
+sampling kernel draws over the real vocabulary's rows.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fakes.hf_runs import assert_inverse_cdf_draws  # noqa: E402
 from tailcut.config import HFEngineConfig  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
 from tailcut.engine.hf.load import random_qwen2  # noqa: E402
+from tailcut.engine.hf.sample_kernel import sample_full  # noqa: E402
 from tailcut.types import (  # noqa: E402
     FinishReason,
     GenerateRequest,
@@ -67,10 +70,13 @@ def test_tiny_fp32_on_cuda_matches_generate_and_full_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "kernel"), [(False, False), (True, False), (True, True)],
-    ids=["serial", "overlap", "overlap+kernel"],
+    ("overlap", "kernel", "sampler"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler"],
 )  # fmt: skip
-def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool, kernel: bool) -> None:
+def test_cuda_graph_decode_matches_eager_decode_and_generate(
+    overlap: bool, kernel: bool, sampler: bool
+) -> None:
     """Ragged, staggered greedy requests with several rows aborted at once: the graph
     replays (padded buckets) give exactly the eager tokens, and ``generate``'s — also with
     each pass queued before the previous one's tokens are read (``engine.hf.overlap``)."""
@@ -79,8 +85,9 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool, kern
 
     async def main(graphs: bool) -> tuple[list[GenerateResult], int, int]:
         cfg = HFEngineConfig(
-            max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel
-        )
+            max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel,
+            sample_kernel=sampler,
+        )  # fmt: skip
         engine = HFEngine(model, cfg, max_batch_size=12, eos_ids=())
         try:
             tasks = [
@@ -114,6 +121,27 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(overlap: bool, kern
                     do_sample=False, pad_token_id=0, eos_token_id=None,
                 )  # fmt: skip
             assert r.output_ids == ref[0, len(p) :].tolist()
+
+
+def test_the_sampling_kernel_draws_the_inverse_cdf_over_the_real_vocabulary() -> None:
+    """bf16 logits of Qwen2's 151,936 rows at batch 64 (a view of the head's output, as
+    the engine hands it over): each draw is the float64 inverse CDF at its uniform, greedy
+    rows the largest logit, log-probs the float64 ones."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 151_936
+    logits = (torch.randn(rows, vocab + 64, generator=gen, device="cuda") * 4).bfloat16()
+    logits = logits[:, :vocab]
+    floats = torch.rand(rows, 3, generator=gen, device="cuda")
+    temperature, uniform = floats[:, 0] * 1.5 + 0.05, floats[:, 2]
+    temperature[:4] = 0.0
+    tokens, pairs = sample_full(logits, temperature, uniform, "scaled")
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).double()
+    logp = torch.log_softmax(logits.double() / t[:, None], dim=-1)
+    assert torch.equal(tokens[:4], logits[:4].float().argmax(dim=-1))
+    assert_inverse_cdf_draws(logp[4:], uniform[4:], tokens[4:], 2e-5)
+    want = logp.gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(pairs[:, 1], want, atol=1e-3, rtol=1e-5)
+    assert torch.equal(pairs[:, 0].long(), tokens)
 
 
 def test_half_billion_bf16_logprobs_aborts_and_slots() -> None:

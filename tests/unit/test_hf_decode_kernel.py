@@ -33,11 +33,9 @@ from tailcut.engine.hf.attention import (  # noqa: E402
     defer_store,
     slot_attention,
 )
-from tailcut.engine.hf.decode_attention import (  # noqa: E402
-    decode_attention,
-    decode_kernel_for,
-)
+from tailcut.engine.hf.decode_attention import decode_attention  # noqa: E402
 from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
+from tailcut.engine.hf.triton_runs import kernel_for  # noqa: E402
 from tailcut.types import GenerateResult  # noqa: E402
 
 VOCAB = 256
@@ -182,9 +180,9 @@ def test_slot_attention_runs_the_kernel_in_a_decode_pass_and_matches_the_mask(
 
 def test_the_setting_resolves_per_device() -> None:
     cpu = torch.device("cpu")
-    assert decode_kernel_for(None, cpu) is False  # default: CUDA only
-    assert decode_kernel_for(False, cpu) is False
-    assert decode_kernel_for(True, cpu) is True  # the interpreter runs it here
+    assert kernel_for("decode_kernel", None, cpu, default=True) is False  # default: CUDA only
+    assert kernel_for("decode_kernel", False, cpu, default=True) is False
+    assert kernel_for("decode_kernel", True, cpu, default=True) is True  # the interpreter
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(
@@ -192,7 +190,7 @@ def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(
 ) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"engine\.hf\.decode_kernel=true needs Triton on a CUDA"):
-        decode_kernel_for(True, torch.device("cpu"))
+        kernel_for("decode_kernel", True, torch.device("cpu"), default=True)
     with pytest.raises(ValueError, match="decode_kernel"):
         run_engine(
             tiny_model("llama", VOCAB), _greedy_run([[5, 6]], [2]), slots=1, decode_kernel=True

@@ -186,8 +186,9 @@ def test_a_seeded_request_is_reproducible_alone_and_in_a_batch(model: Any) -> No
         return await engine.generate(target)
 
     async def crowded(engine: HFEngine) -> GenerateResult:
-        others = [
-            engine.generate(req(prompt(i, 5 + i), 30, seed=i, ignore_eos=True)) for i in range(6)
+        others = [  # with top-p nuclei: the batch is sampled on the nucleus path
+            engine.generate(req(prompt(i, 5 + i), 30, seed=i, ignore_eos=True, top_p=0.9))
+            for i in range(6)
         ]
         results = await asyncio.gather(
             engine.generate(

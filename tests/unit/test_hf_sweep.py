@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tailcut.bench.hf_sweep import card_gbs, run_hf_sweep
+from tailcut.bench.hf_sweep import card_gbs, main, run_hf_sweep
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,3 +46,15 @@ def test_the_bound_takes_the_cards_own_bandwidth() -> None:
     assert card_gbs("NVIDIA H100 PCIe") == 2000.0
     with pytest.raises(ValueError, match=r"'NVIDIA L4'.*--hbm-gbs"):
         card_gbs("NVIDIA L4")
+
+
+def test_the_command_line_sets_each_switch_and_names_the_run_after_it(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    main([
+        "random-tiny", "--batch", "2", "--max-new-tokens", "4", "--device", "cpu",
+        "--dtype", "float32", "--no-overlap", "--sample-kernel", "--no-release", "--out", str(out),
+    ])  # fmt: skip
+    figures = json.loads(out.read_text())
+    assert figures["model"] == "random-tiny (no overlap) (sampling kernel)"
+    assert figures["engine_options"] == {"overlap": False, "sample_kernel": True}
+    assert figures["batches"][0]["tokens"] == 8

@@ -278,7 +278,7 @@ def run_hf_sweep(
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
         "hbm_gbs": hbm_gbs, "max_new_tokens": max_new_tokens, "load_s": load_s,
-        "batches": [],
+        "engine_options": dict(engine_options or {}), "batches": [],
     }  # fmt: skip
     for b in batch_sizes:
         figures["batches"].append(
@@ -339,6 +339,18 @@ def _print(figures: dict[str, Any], json_out: bool) -> None:
     Console().print(table)
 
 
+SWITCHES: dict[str, tuple[str, bool, str]] = {
+    "--no-graphs": ("cuda_graphs", False, "eager decode"),
+    "--no-compile": ("compile_layers", False, "uncompiled"),
+    "--no-fuse": ("fuse_projections", False, "unfused"),
+    "--no-overlap": ("overlap", False, "no overlap"),
+    "--no-decode-kernel": ("decode_kernel", False, "masked attention"),
+    "--sample-kernel": ("sample_kernel", True, "sampling kernel"),
+}
+"""Flags of :func:`main`: each sets one ``engine.hf`` option away from its default (and
+names the run after it)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m tailcut.bench.hf_sweep MODEL --batch 64 256 1024 [--out FILE]``: the
     sweep with the options ``tailcut bench`` does not expose (``--full-vocab``: sample
@@ -356,28 +368,24 @@ def main(argv: list[str] | None = None) -> None:
         "--hbm-gbs", type=float, help="bandwidth of the bound, GB/s (default: the card's)"
     )
     ap.add_argument("--full-vocab", action="store_true", help="sample all rows of the head")
-    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    ap.add_argument("--no-compile", action="store_true", help="engine.hf.compile_layers=false")
-    ap.add_argument("--no-fuse", action="store_true", help="engine.hf.fuse_projections=false")
-    ap.add_argument("--no-overlap", action="store_true", help="engine.hf.overlap=false")
-    ap.add_argument("--no-decode-kernel", action="store_true", help="engine.hf.decode_kernel=false")
+    for flag, (option, value, _) in SWITCHES.items():
+        ap.add_argument(flag, action="store_true", help=f"engine.hf.{option}={str(value).lower()}")
     ap.add_argument("--no-release", action="store_true")
     ap.add_argument("--profile", action="store_true", help="where a decode pass's time goes")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     name = a.name or a.model
-    options: dict[str, Any] = {
-        "cuda_graphs": not a.no_graphs,
-        "compile_layers": False if a.no_compile else None,
-        "fuse_projections": False if a.no_fuse else None,
-        "overlap": False if a.no_overlap else None,
-        "decode_kernel": False if a.no_decode_kernel else None,
-    }
+    options: dict[str, Any] = {}
+    for flag, (option, value, label) in SWITCHES.items():
+        if getattr(a, flag[2:].replace("-", "_")):
+            options[option] = value
+            name += f" ({label})"
     if a.full_vocab:
         options["vocab_rows"] = 1 << 30  # capped at the head's rows by the engine
+        name += " (full vocab)"
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
-        release=not a.no_release, name=name + (" (full vocab)" if a.full_vocab else "") + (" (uncompiled)" if a.no_compile else "") + (" (unfused)" if a.no_fuse else "") + (" (no overlap)" if a.no_overlap else "") + (" (masked attention)" if a.no_decode_kernel else ""),
+        release=not a.no_release, name=name,
         engine_options=options, out=a.out, profile=a.profile,
     )  # fmt: skip
 

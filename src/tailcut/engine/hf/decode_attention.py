@@ -26,10 +26,11 @@ tests run the same kernel under Triton's interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from tailcut.engine.hf.triton_runs import runs_on
 
 BLOCK_N = 64
 """Key columns a program reads per step of its loop."""
@@ -40,31 +41,6 @@ SPLIT_COLUMNS = 512
 MAX_HEAD_DIM = 256
 
 
-@functools.cache
-def available() -> bool:
-    """Triton imports (on a CUDA torch it ships with torch; CPU: the interpreter)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def decode_kernel_for(setting: bool | None, device: torch.device) -> bool:
-    """``engine.hf.decode_kernel`` on ``device``: None is on where Triton runs on CUDA;
-    True where it cannot run raises ``ValueError``."""
-    runs = available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-    if setting is None:
-        return runs and device.type == "cuda"
-    if setting and not runs:
-        raise ValueError(
-            f"engine.hf.decode_kernel=true needs Triton on a CUDA device (the engine runs on "
-            f"{device.type}{'' if available() else ', and triton does not import'}); set it "
-            "to null or false"
-        )
-    return setting
-
-
 def usable(query: torch.Tensor, dropout: float) -> bool:
     """Whether :func:`decode_attention` runs this layer's call: one query per row, no
     dropout, a supported head size and dtype, on CUDA (or the interpreter on CPU)."""
@@ -73,8 +49,7 @@ def usable(query: torch.Tensor, dropout: float) -> bool:
         and dropout == 0.0
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-        and available()
+        and runs_on(query.device)
     )
 
 

@@ -24,7 +24,7 @@ import torch
 
 LogprobMode = Literal["sampled", "scaled", "raw"]
 
-_U_MAX = 1.0 - 2.0**-24
+U_MAX = 1.0 - 2.0**-24
 """Largest float32 below 1: uniforms are clamped here so ``u * total < total``."""
 
 
@@ -50,7 +50,7 @@ def sample_tokens(
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled_logp = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = scaled_logp.exp()
-    u = uniform.clamp(0.0, _U_MAX)
+    u = uniform.clamp(0.0, U_MAX)
     if nucleus is None:
         nucleus = bool((top_p < 1.0).any())
     if nucleus:
@@ -70,32 +70,41 @@ def sample_tokens(
     return tokens, logprobs
 
 
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]`` inverse-CDF draws in vocabulary order: the first token whose running
+    sum of ``weights`` passes ``u`` times the row's total. A rounding edge can land on a
+    token of weight 0 (past the last one that has any): the row's heaviest token instead."""
+    cum = weights.cumsum(dim=-1)
+    target = (u * cum[:, -1])[:, None]
+    idx = torch.searchsorted(cum, target, right=True).clamp_(max=weights.shape[1] - 1)
+    zero = weights.gather(1, idx) <= 0
+    return torch.where(zero, weights.argmax(dim=-1, keepdim=True), idx)
+
+
 def _sample_full(
     probs: torch.Tensor, logp: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cum = probs.cumsum(dim=-1)
-    target = (u * cum[:, -1])[:, None]
-    idx = torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[1] - 1)
-    # A rounding edge can land on a zero-probability tail token: fall back to the mode.
-    zero = probs.gather(1, idx) <= 0
-    idx = torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx)
+    idx = _draw(probs, u)
     return idx.squeeze(1), logp.gather(1, idx).squeeze(1)
 
 
 def _sample_nucleus(
     probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus is found in sorted order, but drawn from in vocabulary order, as
+    :func:`_sample_full` draws: a row at ``top_p`` 1 draws the same token for the same
+    ``u`` whether or not a row of its batch has a nucleus."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(dim=-1) - sorted_p
-    keep = before < top_p[:, None]  # the most likely token is always kept
-    kept_p = sorted_p * keep
-    cum = kept_p.cumsum(dim=-1)
-    total = cum[:, -1]
-    idx = torch.searchsorted(cum, (u * total)[:, None], right=True)
-    idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-    tokens = order.gather(1, idx).squeeze(1)
-    logprobs = torch.log(kept_p.gather(1, idx).squeeze(1) / total)
-    return tokens, logprobs
+    keep = torch.empty_like(order, dtype=torch.bool).scatter_(
+        1,
+        order,
+        before < top_p[:, None],  # the most likely token is always kept
+    )
+    kept_p = probs * keep
+    idx = _draw(kept_p, u)
+    picked = kept_p.gather(1, idx).squeeze(1)
+    return idx.squeeze(1), torch.log(picked / kept_p.sum(dim=-1))
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

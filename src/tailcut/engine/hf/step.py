@@ -28,6 +28,7 @@ from tailcut.engine.hf.compiled import CompiledLayers
 from tailcut.engine.hf.fused import FusedProjections
 from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
 from tailcut.engine.hf.records import Live
+from tailcut.engine.hf.sample_kernel import sample_full
 from tailcut.engine.hf.sampling import LogprobMode, sample_tokens
 from tailcut.engine.hf.support import UnsupportedModel, describe
 
@@ -70,6 +71,7 @@ class PassRunner:
         compile_layers: bool = False,
         fuse_projections: bool = False,
         decode_kernel: bool = False,
+        sample_kernel: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -78,6 +80,7 @@ class PassRunner:
         self._device = cache.shape.device
         self._max_prefill_tokens = max_prefill_tokens
         self._decode_kernel = decode_kernel
+        self._sample_kernel = sample_kernel
         self._stage = HostStage(cache.shape.slots, self._device)
         self._last: torch.Tensor | None = None
         """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
@@ -294,9 +297,14 @@ class PassRunner:
         host[:n, 2] = [x.rng.random() for x in rows]
         temp, top_p, uniform = self._stage.upload_floats(n).T
         nucleus = any(p.top_p < 1.0 for p in params)
-        tokens, logprobs = sample_tokens(logits, temp, top_p, uniform, self._mode, nucleus=nucleus)
-        # float64 holds every token id and float32 log-prob exactly: one copy back
-        packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)), dim=1)
+        if self._sample_kernel and not nucleus:
+            tokens, packed = sample_full(logits, temp, uniform, self._mode)
+        else:
+            tokens, logprobs = sample_tokens(
+                logits, temp, top_p, uniform, self._mode, nucleus=nucleus
+            )
+            # float64 holds every token id and float32 log-prob exactly: one copy back
+            packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)), dim=1)
         out = self._stage.host_out[:n]
         out.copy_(packed, non_blocking=True)
         done = None

@@ -36,10 +36,10 @@ import torch
 from tailcut.config import HFEngineConfig
 from tailcut.engine.base import EngineDied, EngineError, EngineStats, MemoryReport
 from tailcut.engine.hf.cache import SlotKVCache, kv_shape_for
-from tailcut.engine.hf.decode_attention import decode_kernel_for
 from tailcut.engine.hf.memory import EngineMemory
 from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
 from tailcut.engine.hf.step import PassRunner, Sampled
+from tailcut.engine.hf.triton_runs import kernel_for
 from tailcut.types import FinishReason, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class SlotWorker:
             graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens, vocab_rows=vocab_rows,
             compile_layers=graphs if cfg.compile_layers is None else cfg.compile_layers,
             fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
-            decode_kernel=decode_kernel_for(cfg.decode_kernel, shape.device),
+            decode_kernel=kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
+            sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=False),
         )  # fmt: skip
         self._overlap = graphs if cfg.overlap is None else cfg.overlap
         self._pending: tuple[Sampled, int] | None = None

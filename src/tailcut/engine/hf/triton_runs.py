@@ -1,0 +1,39 @@
+"""Where the engine's Triton kernels run: CUDA, or the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, how the CPU tests run the kernels' own source), and what their
+``engine.hf`` switches resolve to on a device."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """Triton imports (on a CUDA torch it ships with torch; CPU: the interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def runs_on(device: torch.device) -> bool:
+    """A Triton kernel runs on tensors of ``device``."""
+    return available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def kernel_for(option: str, setting: bool | None, device: torch.device, *, default: bool) -> bool:
+    """The switch ``engine.hf.<option>`` on ``device``: None is ``default`` where Triton runs
+    on CUDA (off elsewhere); True where Triton cannot run raises ``ValueError`` naming it."""
+    if setting is None:
+        return default and runs_on(device) and device.type == "cuda"
+    if setting and not runs_on(device):
+        raise ValueError(
+            f"engine.hf.{option}=true needs Triton on a CUDA device (the engine runs on "
+            f"{device.type}{'' if available() else ', and triton does not import'}); set it "
+            "to null or false"
+        )
+    return setting
