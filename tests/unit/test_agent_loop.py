@@ -195,6 +195,9 @@ def test_response_budget_spans_turns_and_never_ends_on_tool_output(chat_tokenize
     assert sample.finish_reason is FinishReason.LENGTH and len(sample.turns) == 2
     assert sample.loss_mask[-1] == 1 and len(tool.calls) == 2
     assert len(sample.response_ids) <= budget
+    # so does the conversation: turn 1's tool answer left with its tokens (a resumed or
+    # re-rendered trajectory must find the messages its tokens are)
+    assert [m["role"] for m in sample.messages[2:]] == ["assistant", "tool", "assistant"]
 
 
 def test_malformed_unknown_and_oversized_calls_become_tool_messages(chat_tokenizer):
@@ -455,3 +458,31 @@ def test_a_validated_prompt_row_layout_is_accepted(chat_tokenizer):
     assert sample.finish_reason is FinishReason.STOP
     assert list(tool.created.values()) == [{"ground_truth": "4"}]
     assert sample.messages[0] == {"role": "user", "content": "2+2?"}
+
+
+def test_a_cut_while_a_whole_trajectory_is_scored_keeps_it(chat_tokenizer):
+    """The cut lands while a finished trajectory's (slow) reward runs: the trajectory is
+    scored and kept, not aborted; a trajectory still generating is aborted."""
+    tok = chat_tokenizer
+
+    async def reward_fn(sample: Sample, tool_rewards: dict[str, float]) -> float:
+        await asyncio.sleep(1.0 if "graded slowly" in sample.data["prompt"][1]["content"] else 0.0)
+        return 1.0
+
+    def script(call: ScriptCall) -> str:
+        return ramble(1000) if "long" in call.prompt_text else "#### 4"
+
+    engine = ScriptedEngine(tok, script, token_delay_s=TOKEN_S)
+    loop = AgentLoop(tok, AgentLoopConfig(max_new_tokens=2000), reward_fn=reward_fn)
+    questions = ["quick a", "quick b", "graded slowly", "long"]
+    samples = [_sample(i, q) for i, q in enumerate(questions)]
+
+    async def main() -> Any:
+        return await run_step(engine, samples, loop, TargetCount(4, abort_ratio=0.5), NULL_TRACER)
+
+    result = run_virtual(main())
+    assert [s.status for s in result.samples] == [
+        Status.COMPLETED, Status.COMPLETED, Status.COMPLETED, Status.ABORTED,
+    ]  # fmt: skip
+    assert result.kept == [0, 1] and result.samples[2].reward == 1.0
+    assert result.cut_time_s is not None and result.cut_time_s < 1.0 < result.step_time_s

@@ -9,10 +9,13 @@ import pytest
 
 from fakes.timed_engine import TimedEngine
 from fakes.turns_rollout import TurnsRollout
+from tailcut.config import SimEngineConfig
+from tailcut.engine.sim import SimEngine
+from tailcut.engine.sim_faults import Select, SimFaults
 from tailcut.rollout.cutoff import Deadline, TargetCount, WaitAll
-from tailcut.rollout.scheduler import run_step
+from tailcut.rollout.scheduler import CutHandle, run_step
 from tailcut.rollout.step import StepFailed, StepResult
-from tailcut.trace.events import TERMINAL_EVENTS, Tracer, read_trace
+from tailcut.trace.events import NULL_TRACER, TERMINAL_EVENTS, Tracer, read_trace
 from tailcut.types import (
     FinishReason,
     Sample,
@@ -198,3 +201,49 @@ def test_cut_disabled_equals_wait_all():
 def test_launch_count_must_match_policy():
     with pytest.raises(ValueError, match="launches 5 samples but 4"):
         _run(TimedEngine(TOKEN_S), [[(1, 0.0)]] * 4, WaitAll(5))
+
+
+def test_a_cut_made_before_the_step_starts_aborts_every_sample_at_once(tmp_path):
+    """``CutHandle.cut`` before ``run_step``: each trajectory starts, is traced and ends
+    aborted at once (never left pending)."""
+
+    async def main() -> StepResult:
+        handle = CutHandle()
+        handle.cut("global")
+        tracer = Tracer.for_step(tmp_path, 0, 0, clock=asyncio.get_running_loop().time)
+        try:
+            return await run_step(
+                TimedEngine(TOKEN_S), _samples(4), TurnsRollout([[(5, 0.0)]] * 4), WaitAll(4),
+                tracer, control=handle,
+            )  # fmt: skip
+        finally:
+            tracer.close()
+
+    res = run_virtual(main())
+    assert res.cut_reason == "global" and res.step_time_s < TOKEN_S
+    assert [s.status for s in res.samples] == [Status.ABORTED] * 4
+    events = read_trace(tmp_path / "step_0" / "worker_0.jsonl")
+    assert sorted(e["extra"]["request_id"] for e in events if e["event"] in TERMINAL_EVENTS) == (
+        sorted(s.workid for s in res.samples)
+    )
+
+
+def test_an_engine_that_dies_while_the_cut_is_verified_fails_the_step():
+    """The abort of the long request is lost, and the engine dies while the scheduler asks
+    it what still runs: the step ends as ``StepFailed`` (not a raw exception group), every
+    sample terminal."""
+    engine = SimEngine(
+        SimEngineConfig(decode_a_s=0.01, decode_c_s=0.0, prefill_s_per_token=0.0),
+        SimFaults(lose_aborts=Select(ordinals=[1]), die_at_s=0.2),
+    )
+    samples = _samples(2)
+
+    async def main() -> StepResult:
+        return await run_step(
+            engine, samples, TurnsRollout([[(10, 0.0)], [(1000, 0.0)]]), TargetCount(2, 1, 0.5),
+            NULL_TRACER,
+        )  # fmt: skip
+
+    with pytest.raises(StepFailed, match="engine died"):
+        run_virtual(main())
+    assert [s.status for s in samples] == [Status.COMPLETED, Status.FAILED]

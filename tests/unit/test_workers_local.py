@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
@@ -12,6 +14,7 @@ from tailcut.rollout.recipes import SimRecipe
 from tailcut.rollout.step import StepFailed, StepOptions
 from tailcut.rollout.workers import (
     LocalWorkers,
+    RolloutWorker,
     SharedRecipe,
     plan_for_policy,
     split_at_groups,
@@ -233,3 +236,53 @@ def test_the_step_options_reach_every_worker_step(gc_pause: bool):
     res = run_virtual(main())
     assert res.completed == 4 and seen == [not gc_pause] * 4
     assert gc.isenabled()
+
+
+class _LateBuild(SimRecipe):
+    """Worker 1 builds its engine slowly (a remote engine it connects to, a model it
+    loads): the global cut comes while it is still building."""
+
+    async def build(self, rank: int):  # type: ignore[no-untyped-def]
+        if rank == 1:
+            await asyncio.sleep(0.3)
+        return await super().build(rank)
+
+
+def test_a_global_cut_that_comes_before_a_worker_has_started_its_step_still_cuts_it():
+    cfg = CutoffConfig(policy="target-count", abort_ratio=0.5, scope="global")
+    short_then_long = lambda n: make_samples(  # noqa: E731
+        [
+            Trajectory((TurnSpec(20 if i < n // 2 else 500),), group=i, prompt_tokens=4)
+            for i in range(n)
+        ]
+    )
+    plan, res = _run(cfg, 2, short_then_long, 8, recipe=_LateBuild(ENGINE))
+    assert res.cut_reason == "target" and len(res.kept) == plan.n_launch // 2 == 4
+    # worker 0's short samples met the target at 0.2 s, while worker 1 was building: its
+    # long ones (5 s each) are aborted as its step starts, not run to the end
+    late = res.samples[plan.offsets[1] :]
+    assert {s.status for s in late} == {Status.ABORTED}
+    assert res.step_time_s < 0.5
+
+
+def test_a_cut_for_an_earlier_launch_does_not_cut_the_next():
+    """A late cut message (a launch that is over) names its own launch: the worker's next
+    step is not cut by it."""
+
+    async def main():
+        worker = RolloutWorker(0, SimRecipe(ENGINE))
+        samples = make_samples(
+            [Trajectory((TurnSpec(30),), group=i, prompt_tokens=4) for i in range(2)]
+        )
+        try:
+            await worker.run_step(0, samples, WaitAll(2), run="0.1")
+            worker.cut("global", run="0.1")  # arrives after that step ended
+            again = make_samples(
+                [Trajectory((TurnSpec(30),), group=i, prompt_tokens=4) for i in range(2)]
+            )
+            return await worker.run_step(0, again, WaitAll(2), run="0.2")
+        finally:
+            await worker.aclose()
+
+    second = run_virtual(main())
+    assert second.result.cut_reason is None and second.result.completed == 2

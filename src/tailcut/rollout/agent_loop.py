@@ -166,7 +166,21 @@ class AgentLoop:
                 run = _Trajectory(self, sample, engine, tracer, chat, session)
                 sample.finish_reason = await run.turns()
                 if sample.finish_reason is not FinishReason.ABORT:
-                    await self._score(sample, session)
+                    await self._score_whole(sample, session)
+
+    async def _score_whole(self, sample: Sample, session: ToolSession) -> None:
+        """Score a trajectory that is whole. A cut that lands while it is scored does not
+        make it a cut-off one: the scoring goes on (a second cancel — the step's settling
+        deadline passing — ends it, and the sample is aborted after all)."""
+        scoring = asyncio.ensure_future(self._score(sample, session))
+        try:
+            await asyncio.shield(scoring)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if scoring.done() or task is None:
+                raise
+            task.uncancel()
+            await scoring
 
     async def _score(self, sample: Sample, session: ToolSession) -> None:
         tool_rewards = await session.rewards()
@@ -272,9 +286,12 @@ class _Trajectory:
         if turn.index + 1 >= self.cfg.max_turns:
             return FinishReason.MAX_TURNS
         messages = await self._run_tools(turn, parsed)
+        before = len(self.chat.messages)
         forced = self.chat.add_messages(messages)
         if len(self.sample.response_ids) + len(forced) >= self.cfg.max_response_tokens:
-            # As in verl: the trajectory ends on the model's own last token.
+            # As in verl: the trajectory ends on the model's own last token — and so does
+            # its conversation (the tool answers leave with their tokens)
+            del self.chat.messages[before:]
             return FinishReason.LENGTH
         append_forced(self.sample, forced)
         return None

@@ -50,6 +50,7 @@ class _WorkerActor:
         policy: CutoffPolicy,
         coordinator: Any | None,
         options: StepOptions,
+        run: str | None = None,
     ) -> WorkerResult:
         report = None
         if coordinator is not None:
@@ -57,23 +58,25 @@ class _WorkerActor:
             def report(index: int, group: int, status: Status, reward: float | None) -> None:
                 coordinator.report.remote(index, group, status, reward)
 
-        return await self.worker.run_step(step, samples, policy, report, options)
+        return await self.worker.run_step(step, samples, policy, report, options, run)
 
-    async def cut(self, reason: str) -> None:
-        self.worker.cut(reason)
+    async def cut(self, reason: str, run: str | None = None) -> None:
+        self.worker.cut(reason, run)
 
     async def aclose(self) -> None:
         await self.worker.aclose()
 
 
 class _CoordinatorActor:
-    def __init__(self, policy: CutoffPolicy, offsets: list[int], workers: list[Any]) -> None:
-        self.coord = Coordinator(policy, offsets, [self._cut_fn(w) for w in workers])
+    def __init__(
+        self, policy: CutoffPolicy, offsets: list[int], workers: list[Any], run: str
+    ) -> None:
+        self.coord = Coordinator(policy, offsets, [self._cut_fn(w, run) for w in workers])
         self.done = asyncio.Event()
 
     @staticmethod
-    def _cut_fn(handle: Any) -> Any:
-        return lambda reason: handle.cut.remote(reason)
+    def _cut_fn(handle: Any, run: str) -> Any:
+        return lambda reason: handle.cut.remote(reason, run)
 
     async def start(self) -> None:
         self.coord.start()
@@ -126,16 +129,17 @@ class RayWorkers(Workers):
 
     async def run_step(self, step: int, plan: WorkerPlan, samples: list[Sample]) -> StepResult:
         shares = self._split(plan, samples)
+        run = self._next_run(step)
         coord: Any = None
         if plan.coordinator_policy is not None:
             coord_cls = ray.remote(num_cpus=0)(_CoordinatorActor)
-            coord = coord_cls.options(name=f"{self.namespace}-coord-{step}").remote(
-                plan.coordinator_policy, plan.offsets, self.actors
+            coord = coord_cls.options(name=f"{self.namespace}-coord-{run}").remote(
+                plan.coordinator_policy, plan.offsets, self.actors, run
             )
             self._coordinators.append(coord)
             await coord.start.remote()
         refs = [
-            a.run_step.remote(step, shares[r], plan.policies[r], coord, self.options)
+            a.run_step.remote(step, shares[r], plan.policies[r], coord, self.options, run)
             for r, a in enumerate(self.actors)
         ]
         if coord is not None:

@@ -124,6 +124,7 @@ class ResumableAgentLoop(AgentLoop):
             self.schemas,
             stop_ids=self.stop_ids,
             template_kwargs=self.template_kwargs,
+            parser=self.parser,
         )
         sample.messages = chat.messages
         instance_id = f"{sample.workid}-r{sample.resumed_from_step or 0}"
@@ -134,4 +135,4 @@ class ResumableAgentLoop(AgentLoop):
             )  # fmt: skip
             sample.finish_reason = await run.turns()
             if sample.finish_reason is not FinishReason.ABORT:
-                await self._score(sample, session)
+                await self._score_whole(sample, session)

@@ -336,6 +336,9 @@ async def _run_step(step: _StepRun) -> StepResult:
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(step.run_one(s)) for s in step.samples]
         if control is not None:
+            # every trajectory starts (RUNNING, traced) before a cut that came early can
+            # cancel it: a task cancelled before its first step never records its end
+            await asyncio.sleep(0)
             control._attach(step)
         await step.wait_for_cut()
         if step.fatal is not None:
@@ -384,7 +387,15 @@ async def _abort_in_flight(
     deadline = step.loop.time() + step.abort_deadline_s
     delay = 0.01
     while True:
-        left = [rid for rid in await engine.in_flight() if rid in ours]
+        try:
+            left = [rid for rid in await engine.in_flight() if rid in ours]
+        except EngineDied as exc:  # nothing left to abort: end the step as failed
+            step.fatal = step.fatal or exc
+            for task in tasks:
+                task.cancel()
+            return rounds, []
+        except EngineError:  # not answered this round: ours still tracked in flight
+            left = list(step.engine.active)
         if not left:
             return rounds, []
         remaining = deadline - step.loop.time()

@@ -29,6 +29,7 @@ would.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -169,6 +170,10 @@ class RolloutWorker:
         self.admission: Admission | None = None
         """This worker's length-aware gate (``StepOptions.schedule``), kept across steps: its
         predictor learns each prompt's lengths from the steps before."""
+        self._run: object = None
+        """The token of the step running now (None: none, or one started without one)."""
+        self._early: tuple[object, str, float] | None = None
+        """A cut (token, reason, when) that arrived before its step's handle existed."""
         self._traced: tuple[int, int] = (-1, 0)
         """(last step traced, rounds of it so far): a step run again (another launch
         round of the trainer, ``algo.filter_groups``) traces to ``worker_R.roundN.jsonl``."""
@@ -176,10 +181,19 @@ class RolloutWorker:
     async def start(self) -> None:
         self.engine, self.rollout = await self.recipe.build(self.rank)
 
-    def cut(self, reason: str = "global") -> None:
+    def cut(self, reason: str = "global", run: object = None) -> None:
+        """Cut the step ``run`` (the token its :meth:`run_step` was given). A cut that
+        arrives before that step has its handle — the worker still building its engine,
+        or a remote call served before the step's own — is kept and applied as the step
+        starts; one for a step that is over is dropped."""
+        if run is not None and run != self._run:
+            self._early = (run, reason, time.monotonic())
+            return
         self.cut_received_at = time.monotonic()
         if self.control is not None:
             self.control.cut(reason)
+        elif run is not None:
+            self._early = (run, reason, self.cut_received_at)
 
     async def run_step(
         self,
@@ -188,6 +202,25 @@ class RolloutWorker:
         policy: CutoffPolicy,
         report: Callable[[int, int, Status, float | None], object] | None = None,
         options: StepOptions = DEFAULT_STEP_OPTIONS,
+        run: object = None,
+    ) -> WorkerResult:
+        """One step over this worker's ``samples``. ``run``: a token unique to this step
+        (and launch round) that a global cut names (:meth:`cut`)."""
+        self._run = run
+        try:
+            return await self._run_step(step, samples, policy, report, options, run)
+        finally:
+            self._run = None
+            self.control = None
+
+    async def _run_step(
+        self,
+        step: int,
+        samples: list[Sample],
+        policy: CutoffPolicy,
+        report: Callable[[int, int, Status, float | None], object] | None,
+        options: StepOptions,
+        run: object,
     ) -> WorkerResult:
         if not samples:
             empty = StepResult([], [], 0.0, None, engine_stats=None)
@@ -202,6 +235,10 @@ class RolloutWorker:
 
         self.cut_received_at = None
         self.control = CutHandle(done)
+        early, self._early = self._early, None
+        if early is not None and run is not None and early[0] == run:
+            self.cut_received_at = early[2]
+            self.control.cut(early[1])  # applied as the step starts
         if self.admission is None and options.schedule is not None:
             self.admission = make_admission(options.schedule)
         loop = asyncio.get_running_loop()
@@ -219,7 +256,6 @@ class RolloutWorker:
                 max_retries=options.max_retries,
                 admission=self.admission,
             )
-        self.control = None
         return WorkerResult(self.rank, result, self.cut_received_at, policy.state_dict())
 
     def _tracer(self, step: int, clock: Callable[[], float]) -> Tracer:
@@ -332,6 +368,13 @@ class Workers(ABC):
         self.options = options
         """How every worker runs its step (abort deadline, step timeout, GC pause)."""
         self.policy_state: dict[str, object] = {}
+        self._runs = 0
+
+    def _next_run(self, step: int) -> str:
+        """A token for one launch of a step (a step may be launched again: another round
+        of ``algo.filter_groups``), which the step's global cuts name."""
+        self._runs += 1
+        return f"{step}.{self._runs}"
 
     def plan(self, n_target: int, group_size: int = 1) -> WorkerPlan:
         return plan_step(self.cfg, n_target, group_size, self.n_workers, self.policy_state)
@@ -375,17 +418,19 @@ class LocalWorkers(Workers):
 
     async def run_step(self, step: int, plan: WorkerPlan, samples: list[Sample]) -> StepResult:
         shares = self._split(plan, samples)
+        run = self._next_run(step)
         coord = None
         if plan.coordinator_policy is not None:
             coord = Coordinator(
-                plan.coordinator_policy, plan.offsets, [w.cut for w in self.workers]
-            )
+                plan.coordinator_policy, plan.offsets,
+                [functools.partial(w.cut, run=run) for w in self.workers],
+            )  # fmt: skip
             coord.start()
         report = coord.report if coord else None
 
         async def one(r: int) -> WorkerResult:
             return await self.workers[r].run_step(
-                step, shares[r], plan.policies[r], report, self.options
+                step, shares[r], plan.policies[r], report, self.options, run
             )
 
         tasks = [asyncio.create_task(one(r)) for r in range(self.n_workers)]

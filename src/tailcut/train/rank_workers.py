@@ -75,13 +75,15 @@ class RankWorkers(Workers):
             coord.start()
         report = coord.report if coord is not None else _pusher(store, keys.events)
         policy = plan.policies[self.ranks.rank]
-        background = [asyncio.create_task(self._watch_cut(store, keys.cut))]
+        background = [asyncio.create_task(self._watch_cut(store, keys.cut, self.round))]
         drained = asyncio.Event()
         if coord is not None:
             drain = asyncio.create_task(_drain(store, keys.events, coord, drained))
             background += [asyncio.create_task(coord.watch()), drain]
         try:
-            local = await self.worker.run_step(step, mine, policy, report, self.options)
+            local = await self.worker.run_step(
+                step, mine, policy, report, self.options, run=self.round
+            )
             gathered = await asyncio.to_thread(self.ranks.gather, local)
             if coord is not None:  # every rank pushed all it had: one last read, by the drainer
                 drained.set()
@@ -101,12 +103,12 @@ class RankWorkers(Workers):
             store.delete_key(keys.cut)
         return result
 
-    async def _watch_cut(self, store: Any, key: str) -> None:
+    async def _watch_cut(self, store: Any, key: str, run: int) -> None:
         """Cut this rank's worker once rank 0 has set the step's cut key."""
         while True:
             if await asyncio.to_thread(store.check, [key]):
                 reason = (await asyncio.to_thread(store.get, key)).decode()
-                self.worker.cut(reason)
+                self.worker.cut(reason, run)
                 return
             await asyncio.sleep(POLL_S)
 
