@@ -87,6 +87,29 @@ def test_extra_launch_rounds_traces_are_read_with_their_step(
         assert len({(q.worker, q.request_id) for q in s.requests}) == len(s.requests)
 
 
+def test_a_long_round_counts_its_kept_members_before_launching_extra_rounds(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    """With ``algo.filter_groups`` a long round's withheld groups count with their kept
+    finished members (the rows they train with): a long round whose groups are already
+    informative enough launches no extra round whose groups would all be surplus."""
+    cfg = tiny_config(
+        tmp_path / "run", *CUT, "cutoff.aborted=drop", "cutoff.long_rounds=true",
+        "cutoff.long_round_prompts=2", "cutoff.max_staleness=8", "trainer.steps=6",
+        "algo.filter_groups=zero-std", "algo.max_gen_rounds=2", "data.batch_size=2",
+    )  # fmt: skip
+    _, rows = _train(cfg, chat_tokenizer)
+    long = [r for r in rows if r["long/round"] == 1 and r["long/kept_groups"] > 0]
+    enough = [r for r in long if r["batch/first_round_informative"] >= 2]
+    assert enough, "no long round had its informative groups already"
+    for r in enough:
+        assert r["batch/gen_rounds"] == 0 and r["rollout/launched_extra"] == 0
+        assert r["batch/surplus_groups"] == r["batch/first_round_informative"] - 2
+    for r in rows:
+        if r["batch/gen_rounds"] > 0:
+            assert r["batch/first_round_informative"] < 2
+
+
 def test_a_resume_keeps_the_queued_members_and_trains_as_the_uninterrupted_run(
     tmp_path: Path, chat_tokenizer: Any
 ) -> None:

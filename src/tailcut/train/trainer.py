@@ -58,6 +58,7 @@ from tailcut.algo.metrics import (
 from tailcut.engine.base import Engine, memory_metrics, release_for_training, resume_for_rollout
 from tailcut.errors import TailcutError
 from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
+from tailcut.rollout.long_rounds import LongRound
 from tailcut.rollout.partial import PartialBuffer, TakeResult
 from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.seeds import TRAIN_STREAM, VALIDATION_STREAM, seed_samples
@@ -273,7 +274,7 @@ class Trainer:
                 result.samples, policy.would_keep(result.samples), step
             )
         rows, informative, seen = await self._fill(
-            step, result, planned, audit or long_round, metrics
+            step, result, planned, audit or long_round, metrics, lr
         )
         rows = self.budget.join_kept(rows, lr)
         if not long_round:  # a long round's groups are the tail's, not the step's share
@@ -349,7 +350,13 @@ class Trainer:
         return kept, len(set(rows.groups) - set(kept.groups))
 
     async def _fill(
-        self, step: int, first: StepResult, planned: int, uncut: bool, metrics: dict[str, float]
+        self,
+        step: int,
+        first: StepResult,
+        planned: int,
+        uncut: bool,
+        metrics: dict[str, float],
+        lr: LongRound | None = None,
     ) -> tuple[RowPlan, int, int]:
         """The rows of the step's first round (``planned`` groups asked of its policy) and,
         with ``algo.filter_groups``, of extra rounds of fresh groups (cut by the same policy;
@@ -357,16 +364,20 @@ class Trainer:
         informative; with the rows, the informative groups and the groups they are a share
         of (``FirstRound``): the groups planned, not the over-provisioned ones launched, less
         those withheld for a long round (their rows come later) — under the informative
-        quota, the complete groups kept. Rank 0's count decides for every rank."""
+        quota, the complete groups kept. Rank 0's count decides for every rank. In a long
+        round (``lr``) a group counts with its kept finished members joined: the rows it
+        will train with."""
         plan, withheld = self._rows(step, first)
         plans = [plan]
         a, g = self.cfg.algo, self.cfg.algo.group_size
         seen = planned - withheld
         rounds = launched = good = 0
         while a.filter_groups != "none":
-            rows = concat_plans(plans)
+            rows = self.budget.join_kept(concat_plans(plans), lr)
             base = self.buffer.baseline_rewards(rows.groups) if self.partial else None
             good = int(self.ranks.broadcast(len(informative_groups(rows, base))))
+            if rounds == 0:
+                metrics["batch/first_round_informative"] = float(good)
             if self.informative_quota:  # the groups that completed before the cut (kept)
                 kept = {s.group for s, ok in zip(rows.samples, rows.valid, strict=True) if ok}
                 seen = int(self.ranks.broadcast(len(kept)))
