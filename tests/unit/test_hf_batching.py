@@ -167,3 +167,18 @@ def test_sampling_with_the_nucleus_flag_given_matches_reading_it_from_top_p() ->
         a = sample_tokens(logits, temp, top_p, u, "sampled")
         b = sample_tokens(logits, temp, top_p, u, "sampled", nucleus=nucleus)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_top_p_1_row_draws_the_same_beside_a_nucleus_row() -> None:
+    """A row at top-p 1 draws the same token with the same log-prob alone (the full path)
+    and beside a top-p row (the nucleus path), over a real-size vocabulary whose sorted
+    running sum reaches 1 in float32 before its tail."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 151_936, generator=gen) * 3
+    both = logits.repeat(2, 1)
+    temp = torch.tensor([1.0, 1.0])
+    for u in torch.rand(300, generator=gen).tolist():
+        uniform = torch.tensor([u, u])
+        alone = sample_tokens(logits, temp[:1], torch.tensor([1.0]), uniform[:1], nucleus=False)
+        beside = sample_tokens(both, temp, torch.tensor([1.0, 0.5]), uniform, nucleus=True)
+        assert beside[0][0] == alone[0][0] and beside[1][0] == alone[1][0], u

@@ -7,6 +7,7 @@ peaked (entropy ~2 nats): greedy runs, top-p and stop tokens all do something vi
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -493,3 +494,40 @@ def test_counters_include_the_pass_that_finished_a_request_when_it_returns(model
         return c.prefill_passes, c.decode_passes, c.generated_tokens
 
     assert run(model, body) == (1, 5, 6)  # the first token comes from the prefill
+
+
+def test_a_forward_of_the_same_model_on_another_thread_is_left_alone(model: Any) -> None:
+    """The caller runs the model itself (its own scoring, ``generate``) on another thread
+    while the engine prefills: the engine's switches — attention, and the LM head's pick of
+    each prompt's last column — act on the engine's thread only."""
+    ids = torch.tensor([prompt(9, 20)])
+    with torch.no_grad():
+        want = model(ids).logits
+    seen = {"calls": 0, "wrong": 0}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    got = model(ids).logits
+            except Exception as exc:  # what the engine's hook did to this thread's pass
+                errors.append(exc)
+                continue
+            seen["calls"] += 1
+            seen["wrong"] += int(got.shape != want.shape or not torch.allclose(got, want))
+
+    async def body(engine: HFEngine) -> None:
+        thread = threading.Thread(target=caller)
+        thread.start()
+        try:
+            for k in range(12):
+                reqs = [req(prompt(i + k, 120), 1, ignore_eos=True) for i in range(4)]
+                await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            stop.set()
+            thread.join()
+
+    run(model, body, slots=4, max_seq_len=256)
+    assert errors == [] and seen["wrong"] == 0 and seen["calls"] > 0

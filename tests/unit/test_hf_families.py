@@ -223,3 +223,40 @@ def test_the_known_families_pass_the_directory_check(tmp_path: Path) -> None:
     for family in FAMILIES:
         tiny_config(family, VOCAB).save_pretrained(tmp_path / family)
         check_model_dir(tmp_path / family)
+
+
+def _longrope_phi3() -> Any:
+    """Phi-3 with a ``longrope`` rotary embedding whose pretraining length is 16 (long
+    factors past it, as Phi-3-128k past 4,096)."""
+    head_dim = 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * (head_dim // 2), "long_factor": [4.0] * (head_dim // 2)}  # fmt: skip
+    return tiny_model(
+        "phi3", VOCAB, rope_parameters=rope, original_max_position_embeddings=16,
+        max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def test_a_rope_that_adapts_to_the_batch_is_run_only_within_its_original_length() -> None:
+    """transformers picks a longrope model's frequencies for the whole pass from its longest
+    position: past the original length a request would depend on its batch-mates. Slots
+    longer than that are refused, naming the setting; within it a request's log-probs are
+    the same alone and beside a longer one."""
+    model = _longrope_phi3()
+    with pytest.raises(UnsupportedModel, match=r"longrope.*engine\.hf\.max_seq_len to at most 16"):
+        HFEngine(model, HFEngineConfig(max_seq_len=64), max_batch_size=2)
+
+    a, b = made_up_prompt(1, 5, VOCAB, 37, 11), made_up_prompt(2, 9, VOCAB, 37, 11)
+
+    def run(beside: bool) -> GenerateResult:
+        async def body(engine: HFEngine) -> GenerateResult:
+            jobs = [engine.generate(fixed_request(a, 6, "lr", temperature=1.0, seed=3))]
+            if beside:
+                jobs.append(engine.generate(fixed_request(b, 7, "lr", seed=4)))
+            return (await asyncio.gather(*jobs))[0]
+
+        return run_engine(model, body, slots=2, max_seq_len=16)
+
+    alone, crowded = run(False), run(True)
+    assert crowded.output_ids == alone.output_ids
+    torch.testing.assert_close(torch.tensor(crowded.logprobs), torch.tensor(alone.logprobs))

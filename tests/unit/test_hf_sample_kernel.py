@@ -129,7 +129,8 @@ PROMPTS = [made_up_prompt(i, n, VOCAB, 37, 11) for i, n in enumerate((3, 11, 5, 
 
 def _mixed(engine: HFEngine) -> Any:
     """Greedy rows, a sampled row at top-p 1 and one at top-p 0.9 (4 tokens), in one
-    batch: passes holding the top-p row run the eager sampler, the later ones the kernel."""
+    batch: every pass runs the kernel; those holding the top-p row run the eager sampler
+    for that row too."""
 
     async def body() -> list[GenerateResult]:
         reqs = [fixed_request(p, 12, "sk", temperature=0.0) for p in PROMPTS[:2]]
@@ -152,8 +153,8 @@ def test_the_engine_samples_with_the_kernel_exactly(monkeypatch: pytest.MonkeyPa
     greedy_a, greedy_b, sampled, nucleus = run_engine(
         model, _mixed, slots=4, sample_kernel=True, timeout_s=240
     )
-    # the prefill and 3 decode passes held the top-p row; 8 decode passes of 3 rows did not
-    assert calls == [3] * 8
+    # the prefill and 3 decode passes hold the 4 rows; 8 more decode passes the other 3
+    assert calls == [4] * 4 + [3] * 8
     assert greedy_a.output_ids == hf_greedy(model, PROMPTS[0], 12)
     assert greedy_b.output_ids == hf_greedy(model, PROMPTS[1], 12)
     logits = full_forward_logits(model, PROMPTS[2], sampled.output_ids)
@@ -169,7 +170,7 @@ def test_the_engine_samples_with_the_kernel_exactly(monkeypatch: pytest.MonkeyPa
         torch.tensor(nucleus.logprobs), want.squeeze(1), atol=2e-4, rtol=1e-4
     )
 
-    # the sampled request alone draws the same tokens as in the batch
+    # the sampled request alone draws the same tokens as beside the top-p row
     async def alone(engine: HFEngine) -> GenerateResult:
         return await engine.generate(fixed_request(PROMPTS[2], 12, "sk", temperature=0.8, seed=4))
 

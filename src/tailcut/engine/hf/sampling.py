@@ -54,7 +54,7 @@ def sample_tokens(
     if nucleus is None:
         nucleus = bool((top_p < 1.0).any())
     if nucleus:
-        tokens, sampled_lp = _sample_nucleus(probs, top_p, u)
+        tokens, sampled_lp = _sample_nucleus(probs, scaled_logp, top_p, u)
     else:
         tokens, sampled_lp = _sample_full(probs, scaled_logp, u)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
@@ -89,22 +89,28 @@ def _sample_full(
 
 
 def _sample_nucleus(
-    probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+    probs: torch.Tensor, logp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The nucleus is found in sorted order, but drawn from in vocabulary order, as
-    :func:`_sample_full` draws: a row at ``top_p`` 1 draws the same token for the same
-    ``u`` whether or not a row of its batch has a nucleus."""
+    :func:`_sample_full` draws; a row at ``top_p`` 1 keeps every token (the sorted running
+    sum reaches 1 before the tail in float32) and takes its log-prob as that does: it draws
+    the same token, with the same log-prob, whether or not a row of its batch has a
+    nucleus."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(dim=-1) - sorted_p
+    whole = top_p >= 1.0
     keep = torch.empty_like(order, dtype=torch.bool).scatter_(
         1,
         order,
-        before < top_p[:, None],  # the most likely token is always kept
+        (before < top_p[:, None]) | whole[:, None],  # the mode is always kept
     )
     kept_p = probs * keep
     idx = _draw(kept_p, u)
     picked = kept_p.gather(1, idx).squeeze(1)
-    return idx.squeeze(1), torch.log(picked / kept_p.sum(dim=-1))
+    logprobs = torch.where(
+        whole, logp.gather(1, idx).squeeze(1), torch.log(picked / kept_p.sum(dim=-1))
+    )
+    return idx.squeeze(1), logprobs
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ which the runner switches the model for its lifetime; each pass hands it that pa
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,8 +83,10 @@ class PassRunner:
         self._decode_kernel = decode_kernel
         self._sample_kernel = sample_kernel
         self._stage = HostStage(cache.shape.slots, self._device)
-        self._last: torch.Tensor | None = None
-        """During a prefill: the last prompt column of each row (see :meth:`_pick_rows`)."""
+        self._local = threading.local()
+        """``last``: during a prefill, on the thread running it, the last prompt column of
+        each row (see :meth:`_pick_rows`); another thread's forward of the same model is
+        left alone, as the attention, fused and compiled switches leave it."""
         self._vocab = int(model.config.get_text_config().vocab_size)
         self.vocab_rows = min(self._vocab, vocab_rows or self._vocab)
         """Token ids ``0 .. vocab_rows-1`` are sampled (the tokenizer's rows); the rest of
@@ -168,7 +171,7 @@ class PassRunner:
             with torch.inference_mode():
                 masks = SlotMasks.prefill(torch.tensor([tokens], device=dev), tokens, dtype)
                 self._cache.begin_prefill(0, 1, tokens)
-                self._last = torch.tensor([tokens - 1], device=dev)
+                self._local.last = torch.tensor([tokens - 1], device=dev)
                 try:
                     got = [
                         self._forward(
@@ -176,7 +179,7 @@ class PassRunner:
                         )
                     ]
                 finally:
-                    self._last = None
+                    self._local.last = None
                 for end in range(tokens, tokens + steps):
                     ends = seq.new_tensor([end])
                     self._cache.begin_decode(ends, end + 1)
@@ -203,7 +206,7 @@ class PassRunner:
         forward still runs around it, so every family's logit scaling or soft-capping
         applies; the same on every transformers version (per-row ``logits_to_keep`` is
         recent) and never a rows × width × vocab tensor."""
-        last = self._last
+        last = getattr(self._local, "last", None)
         if last is None:
             return None
         hidden = args[0]
@@ -257,11 +260,11 @@ class PassRunner:
         pos = torch.arange(start, end, device=self._device).expand(rows, end - start)
         self._cache.begin_prefill(first, rows, end, start=start)
         masks = SlotMasks.prefill(lens, end, self._cache.shape.dtype, start=start)
-        self._last = (lens - 1 - start).clamp(0, end - start - 1)
+        self._local.last = (lens - 1 - start).clamp(0, end - start - 1)
         try:
             return self._forward(ids[:, start:end], pos, masks)
         finally:
-            self._last = None
+            self._local.last = None
 
     def decode(self, rows: Sequence[Live]) -> tuple[list[int], list[float]]:
         """Feed each row's last token at column ``row.end`` and sample the next."""
@@ -297,8 +300,17 @@ class PassRunner:
         host[:n, 2] = [x.rng.random() for x in rows]
         temp, top_p, uniform = self._stage.upload_floats(n).T
         nucleus = any(p.top_p < 1.0 for p in params)
-        if self._sample_kernel and not nucleus:
+        if self._sample_kernel:
             tokens, packed = sample_full(logits, temp, uniform, self._mode)
+            if nucleus:  # the top-p rows from the eager sampler; the others as they'd be alone
+                eager, logprobs = sample_tokens(
+                    logits, temp, top_p, uniform, self._mode, nucleus=True
+                )
+                cut = top_p < 1.0
+                tokens = torch.where(cut, eager, tokens)
+                packed = torch.where(
+                    cut[:, None], torch.stack((eager.double(), logprobs.double()), dim=1), packed
+                )
         else:
             tokens, logprobs = sample_tokens(
                 logits, temp, top_p, uniform, self._mode, nucleus=nucleus

@@ -61,6 +61,48 @@ def config_reasons(config: Any) -> list[str]:
     return reasons
 
 
+def adaptive_rope_limit(config: Any) -> tuple[str, int] | None:
+    """``(rope type, positions)`` where the model's rotary embedding changes with the
+    longest position of a forward pass (``longrope``, ``dynamic``: transformers switches
+    the frequencies of the whole batch once any position reaches ``positions``); None for
+    the static kinds."""
+    text = config.get_text_config()
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    per_layer = [p for p in params.values() if isinstance(p, dict)]
+    found: tuple[str, int] | None = None
+    for p in per_layer or [params]:
+        kind = str(p.get("rope_type") or p.get("type") or "default")
+        if kind == "longrope":
+            limit = p.get("original_max_position_embeddings") or getattr(
+                text, "original_max_position_embeddings", None
+            )
+        elif "dynamic" in kind:
+            limit = p.get("original_max_position_embeddings") or text.max_position_embeddings
+        else:
+            continue
+        if limit and (found is None or int(limit) < found[1]):
+            found = (kind, int(limit))
+    return found
+
+
+def length_reasons(config: Any, max_seq_len: int) -> list[str]:
+    """Why the engine cannot run a model of ``config`` with slots of ``max_seq_len`` tokens:
+    a rotary embedding that adapts to a pass's longest position would give each request
+    frequencies that depend on its batch-mates' lengths past that position."""
+    adaptive = adaptive_rope_limit(config)
+    if adaptive is None or max_seq_len <= adaptive[1]:
+        return []
+    kind, limit = adaptive
+    return [
+        f"its {kind} rotary embedding switches the frequencies of every request in a pass once "
+        f"any position passes {limit}, so with engine.hf.max_seq_len={max_seq_len} a request's "
+        f"tokens would depend on its batch-mates' lengths (set engine.hf.max_seq_len to at "
+        f"most {limit})"
+    ]
+
+
 def class_reasons(cls: type) -> list[str]:
     if not getattr(cls, "_supports_attention_backend", False):
         return [

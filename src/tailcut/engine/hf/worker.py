@@ -39,6 +39,7 @@ from tailcut.engine.hf.cache import SlotKVCache, kv_shape_for
 from tailcut.engine.hf.memory import EngineMemory
 from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
 from tailcut.engine.hf.step import PassRunner, Sampled
+from tailcut.engine.hf.support import UnsupportedModel, describe, length_reasons
 from tailcut.engine.hf.triton_runs import kernel_for
 from tailcut.types import FinishReason, GenerateResult
 
@@ -58,6 +59,9 @@ class SlotWorker:
         vocab_rows: int | None = None,
     ) -> None:
         shape = kv_shape_for(model, slots, cfg.max_seq_len)
+        too_long = length_reasons(model.config, shape.max_seq_len)
+        if too_long:
+            raise UnsupportedModel(describe(model.config, type(model).__name__), too_long[0])
         graphs = cfg.cuda_graphs and shape.device.type == "cuda"
         # CUDA graphs read the cache at fixed addresses: allocate it whole, once
         self._cache = SlotKVCache(shape, shape.max_seq_len if graphs else 256)
@@ -270,7 +274,7 @@ class SlotWorker:
             if self._to_abort:
                 flagged, self._to_abort = self._to_abort, []
                 self._retire(
-                    [(x, FinishReason.ABORT) for x in flagged if x.request_id in self._live]
+                    [(x, FinishReason.ABORT) for x in flagged if self._live.get(x.request_id) is x]
                 )
             if self._closing and not self._live:
                 self._pending = None
@@ -352,7 +356,8 @@ class SlotWorker:
             error = EngineError(f"hf engine forward pass failed: {exc!r}")
             with self._cv:
                 self._retire(
-                    [(x, FinishReason.FAILED) for x in rows if x.request_id in self._live], error
+                    [(x, FinishReason.FAILED) for x in rows if self._live.get(x.request_id) is x],
+                    error,
                 )
 
     def _prefill(self, batch: list[Live], pass_id: int) -> None:
