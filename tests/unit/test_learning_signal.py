@@ -347,3 +347,25 @@ def test_each_server_is_sent_the_seed_that_continues_its_stream() -> None:
     assert vllm.body(request(4))["seed"] == SamplingParams(seed=5, seed_offset=4).stream_seed() != 5
     # SGLang keys its seeded draws by position: prompt + prior tokens continue the stream.
     assert sampling_params(request(4))["sampling_seed"] == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        (["cutoff.aborted=partial"], "token-tis"),
+        (["cutoff.long_rounds=true"], "token-tis"),
+        (["cutoff.aborted=partial", "algo.rollout_correction=seq-mis"], "seq-mis"),
+        (["cutoff.aborted=partial", "algo.rollout_correction=none"], "none"),
+        (["cutoff.aborted=partial", "algo.old_logprobs=engine"], "none"),
+        (["cutoff.aborted=mask"], "none"),
+        ([], "none"),
+    ],
+)
+def test_tokens_of_an_older_policy_are_corrected_unless_said_otherwise(
+    overrides: list[str], want: str
+) -> None:
+    """Resumed trajectories and long rounds train tokens an older policy sampled, whose PPO
+    ratio is 1 (π_old is the current actor's): the rollout correction is on for them
+    unless the config says otherwise."""
+    cfg = load_train_config(None, ["engine.kind=hf", "agent.temperature=0.7", *overrides])
+    assert cfg.algo.rollout_correction == want

@@ -248,3 +248,20 @@ def test_settle_gives_earlier_baselines_then_keeps_the_deferred_and_this_steps_r
     rows = plan_rows([resumed], None, "partial")
     assert buf.settle(2, rows) == {7: [1.0]}
     assert len(buf) == 0 and buf.baseline_rewards([7]) == {}  # nothing left in flight
+
+
+def test_a_surplus_finisher_is_in_its_groups_baseline():
+    """The cut kept one of group 7's finishers (its quota full), the other is surplus: no
+    row, but its reward is a draw of the group — the resumed member's baseline holds both
+    (surplus finishers are the later, longer ones: leaving them out leans to short draws)."""
+    from tailcut.algo.batch import plan_rows
+
+    def done(i: int, reward: float) -> Sample:
+        return Sample(index=i, group=7, status=Status.COMPLETED, reward=reward)
+
+    buf = PartialBuffer(max_staleness=2)
+    cut = Sample(index=2, group=7, status=Status.ABORTED)
+    rows = plan_rows([done(0, 1.0), done(1, 0.0), cut], [0], "partial")
+    assert rows.counts.surplus == 1 and [s.index for s in rows.surplus] == [1]
+    buf.settle(1, rows)
+    assert buf.baseline_rewards([7]) == {7: [1.0, 0.0]}

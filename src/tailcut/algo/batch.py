@@ -82,6 +82,9 @@ class RowPlan:
     deferred: list[Sample]
     """ABORTED samples for the partial-rollout buffer (mode ``partial`` only)."""
     counts: RowCounts
+    surplus: list[Sample] = field(default_factory=list)
+    """Finished samples the step did not keep (past its cut's quota): no rows, but their
+    rewards are draws of their groups (the partial-rollout baselines keep them)."""
 
     @property
     def rewards(self) -> list[float]:
@@ -162,10 +165,12 @@ def plan_rows(samples: Sequence[Sample], kept: Iterable[int] | None, mode: Abort
     rows: list[Sample] = []
     valid: list[bool] = []
     deferred: list[Sample] = []
+    surplus: list[Sample] = []
     for s in samples:
         if s.status in FINISHED:
             if keep is not None and s.index not in keep:
                 counts.surplus += 1
+                surplus.append(s)
                 continue
             if s.reward is None:
                 raise BatchError(
@@ -191,7 +196,7 @@ def plan_rows(samples: Sequence[Sample], kept: Iterable[int] | None, mode: Abort
                 f"sample {s.index} (group {s.group}) is {s.status.value}; a step's samples "
                 "must all be terminal"
             )
-    return RowPlan(rows, valid, deferred, counts)
+    return RowPlan(rows, valid, deferred, counts, surplus)
 
 
 def drop_rows(plan: RowPlan, keep: Sequence[bool]) -> RowPlan:
@@ -209,7 +214,7 @@ def drop_rows(plan: RowPlan, keep: Sequence[bool]) -> RowPlan:
         rows.append(s)
         valid.append(ok)
     counts = replace(plan.counts, real=plan.counts.real - dropped, dropped_small_group=dropped)
-    return RowPlan(rows, valid, plan.deferred, counts)
+    return RowPlan(rows, valid, plan.deferred, counts, plan.surplus)
 
 
 def keep_rows(

@@ -90,7 +90,7 @@ def filter_groups(
             real += ok
             masked += not ok
     counts = replace(plan.counts, real=real, masked=masked)
-    out = RowPlan(rows, valid, plan.deferred, counts)
+    out = RowPlan(rows, valid, plan.deferred, counts, plan.surplus)
     return FilterResult(
         out, len(keep), len(rewards) - len(good), len(good) - len(keep),
         len(plan.samples) - len(rows),
@@ -109,6 +109,7 @@ def concat_plans(plans: Sequence[RowPlan]) -> RowPlan:
         [v for p in plans for v in p.valid],
         [s for p in plans for s in p.deferred],
         counts,
+        [s for p in plans for s in p.surplus],
     )
 
 

@@ -179,7 +179,7 @@ def withhold_cut_groups(plan: RowPlan, samples: Sequence[Sample], step: int = 0)
             e.finished.append(s)
         elif s.status is Status.ABORTED:
             e.cut.append(s)
-    out = RowPlan(rows, valid, plan.deferred, counts)
+    out = RowPlan(rows, valid, plan.deferred, counts, plan.surplus)
     return Withheld(out, cut, len(plan.samples) - len(rows), list(by_group.values()))
 
 
@@ -224,4 +224,7 @@ def join_kept(plan: RowPlan, kept: Sequence[Sample]) -> RowPlan:
     if not kept:
         return plan
     counts = replace(plan.counts, real=plan.counts.real + len(kept))
-    return RowPlan([*kept, *plan.samples], [True] * len(kept) + plan.valid, plan.deferred, counts)
+    return RowPlan(
+        [*kept, *plan.samples], [True] * len(kept) + plan.valid, plan.deferred, counts,
+        plan.surplus,
+    )  # fmt: skip

@@ -4,8 +4,9 @@ An ABORTED sample keeps everything it had when the step cut it: prompt, the resp
 far (including a half-finished turn), their loss mask, the behaviour log-prob and the weight
 version of every sampled token, its turns and messages. The next step takes it back, resets
 its status to PENDING and launches it again; the agent loop re-submits *prompt + tokens so far*
-and carries on. Tokens keep the version and log-prob of the policy that sampled them, so the
-loss corrects them with the importance ratio.
+and carries on. Tokens keep the version and log-prob of the policy that sampled them: π_old is
+the current actor's (recomputed), so the PPO ratio is 1 on them and the rollout correction
+weighs them by π_old/μ (``algo.rollout_correction``, token-tis unless set otherwise).
 
 Staleness: a trajectory first launched at step ``s0`` may be resumed at step ``s`` only while
 ``s − s0 ≤ max_staleness``; older ones are dropped and counted (``max_staleness = 0`` makes
@@ -122,13 +123,15 @@ class PartialBuffer:
     def settle(self, step: int, rows: RowPlan) -> dict[int, list[float]]:
         """The step's one exchange with the buffer, before its advantages: returns the
         baselines of the rows' groups (rewards of members that finished in earlier steps), then
-        keeps the step's deferred samples with their groups' finished rewards, and forgets
-        the groups that have nothing left in flight."""
+        keeps the step's deferred samples with their groups' finished rewards (trained or
+        surplus past the cut's quota), and forgets the groups that have nothing left in
+        flight."""
         groups = rows.groups
         baselines = self.baseline_rewards(groups)
         finished: dict[int, list[float]] = {}
-        for s, ok in zip(rows.samples, rows.valid, strict=True):
-            if ok and s.reward is not None:
+        real = [s for s, ok in zip(rows.samples, rows.valid, strict=True) if ok]
+        for s in (*real, *rows.surplus):  # a surplus finisher is a draw of its group too
+            if s.reward is not None:
                 finished.setdefault(s.group, []).append(float(s.reward))
         self.add(rows.deferred, step, finished)
         self.release(groups)

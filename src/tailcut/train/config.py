@@ -103,7 +103,9 @@ class AlgoConfig(_Model):
     rollout_correction: Literal["none", "token-tis", "seq-tis", "token-mis", "seq-mis"] = "none"
     """Correction for the engine/trainer mismatch w = π_old/μ (recompute only): tis
     multiplies each token's loss by min(w, C) (seq: w of the whole sequence); mis removes
-    tokens (seq: whole sequences) with w outside [1/C, C] from the loss and its denominators."""
+    tokens (seq: whole sequences) with w outside [1/C, C] from the loss and its denominators.
+    Unless given, token-tis with ``cutoff.aborted=partial`` or ``cutoff.long_rounds`` (their
+    tokens of an older policy are weighed by it alone), else none."""
     rollout_correction_threshold: float = Field(2.0, gt=1.0, le=1e6)
     """C of ``rollout_correction``."""
     filter_groups: Literal["none", "zero-std"] = "none"
@@ -316,6 +318,24 @@ class TrainConfig(_Model):
         workers = rollout.get("workers", 1) if isinstance(rollout, dict) else 1
         if isinstance(workers, int) and workers > 1 and isinstance(cutoff, dict | None):
             data = {**data, "cutoff": {"scope": "global", **(cutoff or {})}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_tokens_corrected(cls, data: Any) -> Any:
+        """Resumed trajectories (``cutoff.aborted=partial``) and long rounds train tokens an
+        older policy sampled; π_old is the current actor's, so the PPO ratio is 1 on them
+        and only ``algo.rollout_correction`` weighs them by π_old/μ: unless it is given, it
+        is token-tis there (with ``old_logprobs=engine`` there is nothing to correct)."""
+        if not isinstance(data, dict):
+            return data
+        cutoff, algo = data.get("cutoff"), data.get("algo")
+        if not isinstance(cutoff, dict) or not isinstance(algo, dict | None):
+            return data
+        stale = cutoff.get("aborted") == "partial" or cutoff.get("long_rounds") is True
+        algo = algo or {}
+        if stale and "rollout_correction" not in algo and algo.get("old_logprobs") != "engine":
+            data = {**data, "algo": {**algo, "rollout_correction": "token-tis"}}
         return data
 
     @model_validator(mode="after")
