@@ -94,14 +94,25 @@ class ToolSession:
         self.instance_id = instance_id
         self.create_kwargs = create_kwargs
         self.created: list[str] = []
+        """Tools whose instance was asked for, in order (released at the end, also after a
+        creation that failed half-way: release must undo what it left)."""
+        self._creations: dict[str, asyncio.Future[None]] = {}
         self.calls = 0
         self.errors = 0
 
     async def _ensure(self, name: str) -> None:
-        if name not in self.created:
+        """The tool's instance exists: a turn's concurrent first calls of one tool share
+        one creation (none executes before it is done); a call that times out leaves it
+        running for the others (shielded), a failed one fails each of them."""
+        creation = self._creations.get(name)
+        if creation is None:
             kwargs = self.create_kwargs.get(name) or {}
             self.created.append(name)
-            await self.toolset.tools[name].create(self.instance_id, **kwargs)
+            creation = asyncio.ensure_future(
+                self.toolset.tools[name].create(self.instance_id, **kwargs)
+            )
+            self._creations[name] = creation
+        await asyncio.shield(creation)
 
     async def call(self, name: str, arguments: Any) -> ToolResult:
         """Run one tool call; never raises except CancelledError."""
@@ -143,5 +154,9 @@ class ToolSession:
 
     async def release_all(self) -> None:
         for name in reversed(self.created):
+            creation = self._creations.get(name)
+            if creation is not None:  # a creation still running is released once it ends
+                await asyncio.gather(creation, return_exceptions=True)
             await self.toolset.tools[name].release(self.instance_id)
         self.created.clear()
+        self._creations.clear()
