@@ -265,3 +265,32 @@ def test_a_surplus_finisher_is_in_its_groups_baseline():
     assert rows.counts.surplus == 1 and [s.index for s in rows.surplus] == [1]
     buf.settle(1, rows)
     assert buf.baseline_rewards([7]) == {7: [1.0, 0.0]}
+
+
+def test_a_cut_generation_that_had_sampled_its_stop_token_is_not_continued(
+    chat_tokenizer: object,
+) -> None:
+    """An abort that raced the end of a generation returns its stop token: resumed, the
+    turn is replayed as ended (no engine call continues after the end of turn)."""
+    from fakes.scripted_engine import ramble
+    from tailcut.chat.template import stop_token_ids
+
+    def script(call: object) -> str:
+        return "#### 1" if "short" in call.prompt_text else ramble(40)  # type: ignore[attr-defined]
+
+    _, done = _cut_step(chat_tokenizer, script)
+    cut = done[1]
+    eos = stop_token_ids(chat_tokenizer)[0]  # type: ignore[arg-type]
+    cut.response_ids.append(eos)
+    cut.loss_mask.append(1)
+    cut.logprobs.append(-0.5)
+    cut.versions.append(3)
+    cut.turns[-1].output_tokens += 1
+    buf = PartialBuffer(max_staleness=1)
+    buf.add([cut], step=1)
+    resumed = buf.take(step=2).resumed[0]
+    resumed.index = 0
+    engine = _run_resumed(chat_tokenizer, script, resumed, version=4)
+    assert engine.requests == []  # type: ignore[attr-defined]
+    assert resumed.status is Status.COMPLETED and resumed.finish_reason is FinishReason.STOP
+    assert resumed.response_ids[-1] == eos and set(resumed.versions) == {3}

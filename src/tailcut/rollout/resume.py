@@ -116,7 +116,11 @@ class ResumableAgentLoop(AgentLoop):
         base = sample.messages[:-1] if open_turn else sample.messages
         prior = open_assistant_ids(sample) if open_turn else None
         last_turn = sample.turns[-1] if sample.turns else None
-        continue_generation = last_turn is None or last_turn.finish_reason is not FinishReason.STOP
+        # an abort that raced the end of a generation can carry its stop token: it ended
+        ended = prior is not None and len(prior) > 0 and prior[-1] in self.stop_ids
+        continue_generation = not ended and (
+            last_turn is None or last_turn.finish_reason is not FinishReason.STOP
+        )
         first = (last_turn.index + (0 if open_turn else 1)) if last_turn is not None else 0
         chat = IncrementalChat(
             self.tokenizer,
