@@ -53,12 +53,18 @@ class _WorkerActor:
         run: str | None = None,
     ) -> WorkerResult:
         report = None
+        sent: list[Any] = []
         if coordinator is not None:
 
             def report(index: int, group: int, status: Status, reward: float | None) -> None:
-                coordinator.report.remote(index, group, status, reward)
+                sent.append(coordinator.report.remote(index, group, status, reward))
 
-        return await self.worker.run_step(step, samples, policy, report, options, run)
+        result = await self.worker.run_step(step, samples, policy, report, options, run)
+        # Every report has reached the coordinator before the step returns: the driver asks
+        # it which samples to keep once all steps have returned, on a call Ray does not
+        # order after these (another caller's).
+        await asyncio.gather(*sent)
+        return result
 
     async def cut(self, reason: str, run: str | None = None) -> None:
         self.worker.cut(reason, run)
