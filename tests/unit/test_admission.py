@@ -130,3 +130,47 @@ def test_the_schedule_config_builds_the_admission():
     assert from_config(ScheduleConfig()) is None
     adm = from_config(ScheduleConfig(kind="spf", margin=0.2, need_ratio=0.5))
     assert adm is not None and adm.schedule.margin == 0.2 and adm.schedule.need_ratio == 0.5
+
+
+class _Fixed:
+    """A hand-written predictor: each trajectory's remaining work is given."""
+
+    def __init__(self, remaining: dict[int, float]) -> None:
+        self.table = remaining
+
+    def start_step(self, samples):  # type: ignore[no-untyped-def]
+        return None
+
+    def remaining(self, index: int, tokens_so_far: int = 0, turns_done: int = 0) -> float:
+        return self.table[index]
+
+    def sibling_done(self, index: int, tokens: int) -> list[int]:
+        return []
+
+    def end_step(self, samples):  # type: ignore[no-untyped-def]
+        return None
+
+
+def test_a_sample_aborted_without_a_cut_lets_a_held_call_in():
+    """Keep 1 of 4: the two longest predicted are held. One of the two allowed in ends
+    aborted by the engine itself (no cut): the threshold rises and the next held call goes
+    in at once, instead of waiting for an event that may never come."""
+    import asyncio
+
+    from tailcut.types import FinishReason, GenerateRequest, Sample, SamplingParams, new_request_id
+
+    samples = [Sample(index=i, group=i, prompt_ids=[1]) for i in range(4)]
+    adm = Admission(ShortestPredictedFirst(_Fixed({0: 1.0, 1: 2.0, 2: 10.0, 3: 20.0}), margin=0.0))
+    adm.start(samples, 1)
+    request = GenerateRequest(new_request_id(), [1], SamplingParams(max_new_tokens=4))
+
+    async def main() -> bool:
+        held = asyncio.ensure_future(adm.enter(samples[2], request))
+        await asyncio.sleep(0)
+        assert not held.done() and adm.held_calls == 1
+        samples[0].status, samples[0].finish_reason = Status.ABORTED, FinishReason.ABORT
+        adm.done(samples[0])
+        await asyncio.sleep(0)
+        return held.done()
+
+    assert asyncio.run(main())

@@ -37,7 +37,6 @@ from tailcut.types import (
     GenerateRequest,
     GenerateResult,
     Sample,
-    Status,
 )
 
 
@@ -67,8 +66,10 @@ class Admission:
         """``sample`` reached its terminal state."""
         usable = sample.status in FINISHED
         self.schedule.on_done(sample.index, usable, sample.generated_tokens)
-        if sample.status is not Status.ABORTED:  # aborted: the step is cut, none goes in
-            self._release()
+        # Aborted too: by a cut, a released call meets the cut engine and ends at once; by
+        # anything else (an engine that aborts on its own), a held call must not wait on
+        # for a release that no other event may bring.
+        self._release()
 
     def end(self, samples: Sequence[Sample]) -> None:
         self.schedule.end(samples)
