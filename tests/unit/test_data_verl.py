@@ -174,3 +174,13 @@ def test_load_prompts_configuration_errors(tmp_path):
 def test_writing_an_empty_dataset_is_refused(tmp_path):
     with pytest.raises(DataError, match="empty dataset"):
         write_rows([], tmp_path / "e.parquet")
+
+
+def test_a_whole_number_ground_truth_stored_as_a_float_reads_as_the_integer():
+    """A numeric parquet column stores 72 as 72.0; its answer is "72" (a GSM8K check
+    would never match "72.0")."""
+    rows = _rows(2)
+    rows[0]["reward_model"]["ground_truth"] = 72.0
+    rows[1]["reward_model"]["ground_truth"] = 2.5
+    good, problems = check_rows(rows)
+    assert problems == [] and [p.ground_truth for p in good] == ["72", "2.5"]

@@ -48,6 +48,7 @@ def test_compact_block_without_newlines_parses():
         ('{"name": "f", "arguments": "[1]"}', "'arguments' must be a JSON object, got list"),
         ('{"name": "f", "arguments": "{oops"}', "'arguments' string is not JSON"),
         ('{"name": "f", "arguments": {"x": "' + "y" * 300 + '"}}', "limit is 200"),
+        ('{"name": "f", "parameters": {"x": 1}}', "unknown key 'parameters'"),
     ],
 )
 def test_bad_blocks_become_errors_that_explain_the_format(body, reason):

@@ -314,3 +314,20 @@ def test_arith_format_score_is_configurable() -> None:
     reg = default_registry(arith_format_score=0.25)
     out = asyncio.run(reg.score(RewardInput("#### 41", "42", arith.DATA_SOURCE)))
     assert out.score == 0.25
+
+
+def test_a_currency_ground_truth_is_read_as_a_number() -> None:
+    """MATH answers escape their dollar sign (``\\$18.90``): a currency sign, not a math
+    delimiter — the ground truth is boxed and parsed, and a right answer scores."""
+
+    async def check() -> list[Any]:
+        async with MathVerifier(workers=1, timeout_s=5) as verifier:
+            return list(
+                await asyncio.gather(
+                    verifier.verify("\\$18.90", "The answer is $\\boxed{18.90}$"),
+                    verifier.verify("\\$18.90", "The answer is $\\boxed{19}$"),
+                )
+            )
+
+    right, wrong = asyncio.run(check())
+    assert right.correct and not wrong.correct

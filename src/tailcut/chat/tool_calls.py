@@ -87,7 +87,16 @@ def call_from_object(
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return ToolCallError("missing 'name' (a non-empty string)", raw, hint=hint)
-    key = next((k for k in args_keys if k in obj), args_keys[0])
+    key = next((k for k in args_keys if k in obj), None)
+    if key is None:
+        other = sorted(k for k in obj if k not in ("name", "id", "type"))
+        if other:  # arguments under another name would be dropped without a word
+            return ToolCallError(
+                f"no {args_keys[0]!r} (unknown key {', '.join(map(repr, other))}; the "
+                f"arguments go under {args_keys[0]!r})",
+                raw, name, hint,
+            )  # fmt: skip
+        key = args_keys[0]
     args = obj.get(key)
     if isinstance(args, str):  # some models send the arguments JSON-encoded
         try:

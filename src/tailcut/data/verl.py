@@ -270,6 +270,8 @@ def _check_ground_truth(reward_model: Any, data_source: Any) -> tuple[str, str |
             style,
             [f"reward_model.ground_truth must be a string or number, got {type(gt).__name__}"],
         )
+    if isinstance(gt, float) and gt.is_integer():
+        gt = int(gt)  # a numeric parquet column stores 72 as 72.0: its answer is "72"
     text = str(gt).strip()
     if not text:
         return "", style, ["reward_model.ground_truth is empty"]

@@ -9,13 +9,16 @@ The worker prints ``{"ready": true}`` once its imports are done, then answers ea
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
 
 def _gold_text(gold: str) -> str:
+    """The ground truth as math-verify reads it: boxed, unless it is boxed or delimited by
+    ``$`` already (an escaped ``\\$``, a currency sign, is no delimiter)."""
     text = gold.strip()
-    if "\\boxed" in text or "$" in text:
+    if "\\boxed" in text or re.search(r"(?<!\\)\$", text):
         return text
     return "\\boxed{" + text + "}"
 
