@@ -89,6 +89,10 @@ def test_gsm8k_rejects_unknown_modes() -> None:
         ("30^\\circ", "30"),
         ("7.0", "7"),
         ("\\text{(B)}", "(B)"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces: unwrapped whole
+        ("$\\boxed{2^{10}}$", "2^{10}"),
+        ("\\boxed{\\text{12 hours}}", "12"),
+        ("\\boxed{3", "\\boxed{3"),  # unbalanced: left as it is
     ],
 )
 def test_dapo_normalisation(raw: str, canonical: str) -> None:

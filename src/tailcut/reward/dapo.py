@@ -18,7 +18,7 @@ _UNITS = (
     "feet", "foot", "meters", "meter", "cm", "km", "mph", "hours", "hour", "minutes",
     "minute", "seconds", "points", "ways", "students", "pounds",
 )  # fmt: skip
-_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|boxed|fbox|overline)\{([^{}]*)\}")
+_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox|boxed|fbox|overline)\{")
 _UNIT_WORDS = re.compile(r"(?<=[0-9}])\s*(?:\\text\{\s*)?(?:" + "|".join(_UNITS) + r")\b\}?")
 
 
@@ -38,14 +38,29 @@ def normalize_answer(text: str) -> str:
     s = s.replace("\\left", "").replace("\\right", "").replace("\\%", "").replace("%", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("^\\circ", "").replace("^{\\circ}", "")
-    s = _UNIT_WORDS.sub("", s)
-    for _ in range(4):  # unwrap nested \text{..} / \boxed{..}
-        s = _WRAPPERS.sub(r"\1", s)
+    s = _UNIT_WORDS.sub("", _unwrap(s))
     s = s.replace(" ", "").rstrip(".")
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
     if re.fullmatch(r"-?\d+\.0+", s):
         s = s.split(".")[0]
+    return s
+
+
+def _unwrap(s: str) -> str:
+    """``s`` with every ``\\boxed{..}`` / ``\\text{..}``-like wrapper replaced by its
+    contents, braces matched (``\\boxed{\\frac{1}{2}}`` → ``\\frac{1}{2}``); an unbalanced
+    one is left as it is."""
+    start = 0
+    while m := _WRAPPER.search(s, start):
+        depth, i = 1, m.end()
+        while i < len(s) and depth:
+            depth += {"{": 1, "}": -1}.get(s[i], 0)
+            i += 1
+        if depth:
+            start = m.end()
+            continue
+        s = s[: m.start()] + s[m.end() : i - 1] + s[i:]
     return s
 
 
