@@ -292,3 +292,26 @@ def test_long_round_queue_and_adaptive_state_survive_a_resume(
     for k in ("long/round", "long/queued", "cutoff/share", "rollout/launched", "train/loss"):
         assert [r.get(k) for r in resumed[2:]] == [r.get(k) for r in full[2:]], k
     assert any(r["long/round"] for r in full)
+
+
+def test_a_fresh_start_after_a_crash_before_any_checkpoint_rewrites_the_sample_log(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    """Killed at step 2 before any checkpoint, the run starts afresh: its sample log holds
+    each step once, as its metrics do (not the crashed run's step 1 as well)."""
+    cfg = tiny_config(
+        tmp_path / "run", "trainer.sample_log=true", "trainer.steps=2", "trainer.val_every=0",
+        "trainer.save_every=2", "data.val_size=0",
+    )  # fmt: skip
+
+    def kill(at: int, where: str) -> None:
+        if at == 2 and where == "rollout":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(cfg, chat_tokenizer, fault=kill)
+    log = tmp_path / "run" / "samples.jsonl"
+    assert [s.step for s in read_sample_log(log)] == [1]
+    _, rows = train_tiny(cfg, chat_tokenizer)
+    assert [s.step for s in read_sample_log(log)] == [r["step"] for r in rows if r["step"] > 0]
+    assert [s.step for s in read_sample_log(log)] == [1, 2]

@@ -184,6 +184,8 @@ class Trainer:
         plan = check_run_dir(self.cfg) if main else None  # refused before anything is written
         self.ranks.barrier()
         resumed = self._restore()
+        if resumed is None and main:  # a fresh start rewrites the sample log, as the metrics
+            truncate_jsonl(self.run_dir / SAMPLE_LOG, 0)
         if plan is not None:
             claim_run_dir(plan, self.cfg, self._warn)
         loggers = Loggers([])

@@ -165,9 +165,11 @@ class WeightSync:
             return save_policy(actor.model, self.root, actor.version, self.cfg.dtype, source)
         dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
         device = torch.device("cpu")
-        state = dict(actor.full_params(dtype=dtype, device=device))
-        if not self.ranks.is_main:
+        params = actor.full_params(dtype=dtype, device=device)
+        if not self.ranks.is_main:  # joins each gather, keeps nothing (only rank 0 writes)
+            collections.deque(params, maxlen=0)
             return None
+        state = dict(params)
         return save_policy(
             actor.model, self.root, actor.version, self.cfg.dtype, source, state=state
         )
