@@ -302,21 +302,18 @@ class PassRunner:
         nucleus = any(p.top_p < 1.0 for p in params)
         if self._sample_kernel:
             tokens, packed = sample_full(logits, temp, uniform, self._mode)
-            if nucleus:  # the top-p rows from the eager sampler; the others as they'd be alone
-                eager, logprobs = sample_tokens(
-                    logits, temp, top_p, uniform, self._mode, nucleus=True
-                )
-                cut = top_p < 1.0
-                tokens = torch.where(cut, eager, tokens)
-                packed = torch.where(
-                    cut[:, None], torch.stack((eager.double(), logprobs.double()), dim=1), packed
-                )
-        else:
-            tokens, logprobs = sample_tokens(
+        if not self._sample_kernel or nucleus:
+            eager, logprobs = sample_tokens(
                 logits, temp, top_p, uniform, self._mode, nucleus=nucleus
             )
             # float64 holds every token id and float32 log-prob exactly: one copy back
-            packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)), dim=1)
+            pairs = torch.stack((eager.to(torch.float64), logprobs.to(torch.float64)), dim=1)
+            if self._sample_kernel:  # the top-p rows eager; the others as they'd be alone
+                cut = top_p < 1.0
+                tokens = torch.where(cut, eager, tokens)
+                packed = torch.where(cut[:, None], pairs, packed)
+            else:
+                tokens, packed = eager, pairs
         out = self._stage.host_out[:n]
         out.copy_(packed, non_blocking=True)
         done = None
