@@ -13,7 +13,10 @@ global, decided on rank 0 by the trainer's one policy in a
   rank polls it and cuts its own worker, whose scheduler aborts and verifies its own engine;
 * once a rank's step has ended, its result goes to rank 0, which merges them in launch
   order (the coordinator keeps what the policy keeps) and broadcasts the merged step, and
-  the policy's learned state, so the trainer state stays the same on every rank.
+  the policy's learned state, so the trainer state stays the same on every rank;
+* a rank whose rollout raised sends its error in place of a result: the step fails on every
+  rank alike, or, under ``cutoff.tolerate_worker_loss``, that rank's samples become FAILED
+  records and the step goes on.
 
 Keys are named per call (a round counter every rank advances in step), so nothing of an
 earlier step is read again.
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tailcut.config import CutoffConfig
-from tailcut.rollout.step import DEFAULT_STEP_OPTIONS, StepOptions, StepResult
+from tailcut.rollout.step import DEFAULT_STEP_OPTIONS, StepFailed, StepOptions, StepResult
 from tailcut.rollout.workers import (
     Coordinator,
     RolloutWorker,
@@ -81,9 +84,13 @@ class RankWorkers(Workers):
             drain = asyncio.create_task(_drain(store, keys.events, coord, drained))
             background += [asyncio.create_task(coord.watch()), drain]
         try:
-            local = await self.worker.run_step(
-                step, mine, policy, report, self.options, run=self.round
-            )
+            local: WorkerResult | RankError
+            try:
+                local = await self.worker.run_step(
+                    step, mine, policy, report, self.options, run=self.round
+                )
+            except Exception as exc:  # every rank still reaches the gather below
+                local = RankError(f"rank {self.ranks.rank}: {type(exc).__name__}: {exc}")
             gathered = await asyncio.to_thread(self.ranks.gather, local)
             if coord is not None:  # every rank pushed all it had: one last read, by the drainer
                 drained.set()
@@ -92,11 +99,19 @@ class RankWorkers(Workers):
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-        merged = None
+        merged: tuple[StepResult, dict[str, object]] | StepFailed | None = None
         if self.ranks.is_main:
             assert gathered is not None
-            merged = (merge(plan, _in_rank_order(gathered), coord), _policy_state(plan))
-        result, state = await asyncio.to_thread(self.ranks.broadcast, merged)
+            steps = _in_rank_order(gathered)
+            try:
+                self._fail_or_tolerate(steps)
+                merged = (merge(plan, steps, coord), _policy_state(plan))
+            except StepFailed as exc:  # every rank raises it, none waits for the others
+                merged = StepFailed(str(exc))
+        got = await asyncio.to_thread(self.ranks.broadcast, merged)
+        if isinstance(got, StepFailed):
+            raise got
+        result, state = got
         if plan.coordinator_policy is not None:
             plan.coordinator_policy.load_state_dict(state)
         with contextlib.suppress(Exception):
@@ -154,10 +169,10 @@ async def _drain(store: Any, key: str, coord: Coordinator, last: asyncio.Event) 
 def _in_rank_order(gathered: list[Any]) -> list[WorkerResult | BaseException]:
     out: list[WorkerResult | BaseException] = []
     for r, item in enumerate(gathered):
-        if not isinstance(item, WorkerResult) or item.rank != r:
-            out.append(RankError(f"rank {r} sent no rollout result"))
-        else:
+        if isinstance(item, RankError) or (isinstance(item, WorkerResult) and item.rank == r):
             out.append(item)
+        else:
+            out.append(RankError(f"rank {r} sent no rollout result"))
     return out
 
 
