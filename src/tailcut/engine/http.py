@@ -31,6 +31,9 @@ _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 1.0
 _MESSAGE_LIMIT = 2000
 _MAX_EVENT_BYTES = 256 * 1024 * 1024
+_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+"""The call never reached the server (refused, no route, or the connect timed out): another
+try is safe for any call."""
 """One streamed event may carry a whole output (SGLang streams cumulatively by default)."""
 
 T = TypeVar("T")
@@ -165,7 +168,7 @@ class ServerClient:
                     method, self.url + path, json=json, params=params, timeout=limit
                 ) as resp:
                     answer = Answer(resp.status, await resp.read())
-            except aiohttp.ClientConnectorError as exc:
+            except _NOT_CONNECTED as exc:  # before TimeoutError: a connect timeout is one
                 if last:
                     raise self._unreachable(path, exc, attempts) from exc
             except TimeoutError as exc:
@@ -196,16 +199,19 @@ class ServerClient:
     @asynccontextmanager
     async def stream(self, path: str, body: Any) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST ``body`` and stream the answer. Retried only while it cannot connect; an
-        error status raises ``ServerHTTPError`` with the server's message. Leaving early
-        closes the connection (servers abort a request whose client went away)."""
+        error status raises ``ServerHTTPError`` with the server's message, a connection
+        that fails at any point ``ServerUnreachable``. Leaving early closes the connection
+        (servers abort a request whose client went away)."""
         for attempt in range(1 + self.retries):
             try:
                 resp = await self.session.post(self.url + path, json=body)
-            except aiohttp.ClientConnectorError as exc:
+            except _NOT_CONNECTED as exc:
                 if attempt == self.retries:
                     raise self._unreachable(path, exc, attempt + 1) from exc
                 await asyncio.sleep(_backoff(attempt))  # bounded retry of a remote call
                 continue
+            except aiohttp.ClientError as exc:  # reached it, no answer: never sent twice
+                raise self._unreachable(path, exc, attempt + 1) from exc
             try:
                 if resp.status >= 400:
                     raw = await resp.read()
