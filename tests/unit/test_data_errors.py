@@ -151,7 +151,7 @@ def test_damaged_data_pages_name_the_file_and_column(tmp_path: Path):
     result = runner.invoke(app, ["data", "check", str(path), "--json"])
     assert result.exit_code == 1 and json.loads(result.stdout)["error"] == expected
     with pytest.raises(DataError) as err:
-        parquet_rows(str(path), DataConfig(task="parquet"), None)
+        parquet_rows(str(path), DataConfig(task="parquet"), None, None)
     assert str(err.value) == expected
     assert _files(tmp_path) == before
 

@@ -31,7 +31,7 @@ def test_trainer_arith_rows_are_the_data_command_rows() -> None:
 
 def test_load_rows_gives_train_and_test_splits() -> None:
     cfg = load_train_config(None, ["data.train_size=12", "data.val_size=4"])
-    train, val = load_rows(cfg, tokenizer=None)
+    train, val = load_rows(cfg, tokenizer=None, tools=None)
     assert (len(train), len(val)) == (12, 4)
     assert {r["extra_info"]["split"] for r in train} == {"train"}
     assert {r["extra_info"]["split"] for r in val} == {"test"}
@@ -52,7 +52,7 @@ def test_data_arith_files_carry_reward_model(tmp_path: Path) -> None:
 def test_parquet_rows_carry_reward_model(tmp_path: Path) -> None:
     write_dataset(tmp_path, n_train=6, n_test=2, seed=1)
     raw = read_rows(tmp_path / "train.parquet")
-    rows = parquet_rows(str(tmp_path / "train.parquet"), DataConfig(task="parquet"), None)
+    rows = parquet_rows(str(tmp_path / "train.parquet"), DataConfig(task="parquet"), None, None)
     assert len(rows) == 6
     for row, r in zip(rows, raw, strict=True):
         assert row["reward_model"] == {

@@ -4,6 +4,7 @@ loops, tools, reward and prompts. Heavy imports happen here, never at CLI import
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,17 @@ def arith_rows(seed: int, n: int, cfg: DataConfig, split: str = "train") -> list
     return [sample_data(arith.make_row(p, split, i), i) for i, p in enumerate(problems)]
 
 
-def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
-    """A verl-format parquet file's rows as ``Sample.data``; a prompt whose messages take more
-    than ``data.max_prompt_tokens`` token ids (chat template, generation prompt) is skipped."""
+def parquet_rows(
+    path: str, cfg: DataConfig, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """A verl-format parquet file's rows as ``Sample.data``; a prompt that takes more than
+    ``data.max_prompt_tokens`` token ids as the agent loop renders it (chat template, the
+    ``tools`` schemas, generation prompt) is skipped."""
     from tailcut.chat.template import render_ids
     from tailcut.data.verl import load_prompts
 
     def count(messages: Any) -> int:
-        return len(render_ids(tokenizer, messages, add_generation_prompt=True))
+        return len(render_ids(tokenizer, messages, tools, add_generation_prompt=True))
 
     prompts = load_prompts(
         path, cfg.max_prompt_tokens, "skip", count_tokens=count if cfg.max_prompt_tokens else None
@@ -53,15 +57,16 @@ def parquet_rows(path: str, cfg: DataConfig, tokenizer: Any) -> list[dict[str, A
 
 
 def load_rows(
-    cfg: TrainConfig, tokenizer: Any
+    cfg: TrainConfig, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The train and validation rows; ``tools``: the schemas every prompt is rendered with."""
     d = cfg.data
     if d.task == "arith":
         train_rows = arith_rows(cfg.trainer.seed, d.train_size, d, "train")
         return train_rows, arith_rows(d.val_seed, d.val_size, d, "test")
     assert d.train_path is not None
-    train = parquet_rows(d.train_path, d, tokenizer)
-    val = parquet_rows(d.val_path, d, tokenizer) if d.val_path and d.val_size else []
+    train = parquet_rows(d.train_path, d, tokenizer, tools)
+    val = parquet_rows(d.val_path, d, tokenizer, tools) if d.val_path and d.val_size else []
     return train, val
 
 
@@ -194,8 +199,8 @@ def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
         check_model_dir(path)
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_rows, val_rows = load_rows(cfg, tokenizer)
     toolset = make_toolset(cfg.data)
+    train_rows, val_rows = load_rows(cfg, tokenizer, toolset.schemas() or None)
     reward = make_reward(cfg)
     val_agent: AgentLoopConfig = cfg.agent.model_copy(
         update={"temperature": cfg.trainer.val_temperature}
