@@ -98,3 +98,31 @@ def test_cli_writes_train_test_and_a_tool_config(tmp_path: Path):
     toolset = load_tool_config(out / "tools.yaml")
     assert list(toolset.tools) == ["code_interpreter"]
     assert toolset.schemas() == ds.tools()
+
+
+def test_the_test_split_holds_no_train_problem(tmp_path: Path):
+    """One-step problems repeat often (a few hundred starts, a dozen operations): drawn
+    independently, a fifth of a 200-problem test split sits in a 2,000-problem train split."""
+    train = ds.generate_problems(ds.split_seed(0, "train"), 2000)
+    seen = {p.question for p in train}
+    drawn = ds.generate_problems(ds.split_seed(0, "test"), 200)
+    assert sum(p.question in seen for p in drawn) > 10  # what the split guards against
+    ds.write_dataset(tmp_path, 2000, 200, seed=0)
+    test = read_rows(tmp_path / "test.parquet")
+    assert len(test) == 200 and not {r["extra_info"]["question"] for r in test} & seen
+    assert [r["extra_info"]["index"] for r in test] == [
+        f"dapo-synth-0-test-{i}" for i in range(200)
+    ]
+
+
+def test_a_task_too_small_to_hold_out_a_test_split_is_refused():
+    import random
+
+    from tailcut.data import synth
+
+    rng = random.Random(0)
+    seen = {"n = 1", "n = 2", "n = 3"}
+    draw = lambda: f"n = {rng.randint(1, 4)}"  # noqa: E731
+    assert synth.held_out(draw, 5, seen, str) == ["n = 4"] * 5
+    with pytest.raises(ValueError, match=r"only 0 of 5 held-out problems differ from the 4"):
+        synth.held_out(draw, 5, seen | {"n = 4"}, str)

@@ -19,9 +19,8 @@ from tailcut.types import Sample
 
 
 def test_trainer_arith_rows_are_the_data_command_rows() -> None:
-    cfg = DataConfig(arith_max_steps=6)
-    rows = arith_rows(5, 30, cfg, "train")
     problems = arith.generate_problems(5, 30, arith.TaskConfig(max_steps=6))
+    rows = arith_rows(problems, "train")
     assert rows == [sample_data(make_row(p, "train", i), i) for i, p in enumerate(problems)]
     for row, p in zip(rows, problems, strict=True):
         assert row["data_source"] == "tailcut/arith" == arith.DATA_SOURCE
@@ -36,6 +35,17 @@ def test_load_rows_gives_train_and_test_splits() -> None:
     assert {r["extra_info"]["split"] for r in train} == {"train"}
     assert {r["extra_info"]["split"] for r in val} == {"test"}
     assert all(r["reward_model"]["style"] == "rule" for r in train + val)
+
+
+def test_arith_validation_rows_are_not_train_rows() -> None:
+    """Short problems repeat across seeds; validation is scored on held-out ones only."""
+    over = ["data.train_size=3000", "data.val_size=300", "data.arith_max_steps=1"]
+    train, val = load_rows(load_train_config(None, over), tokenizer=None, tools=None)
+    seen = {r["extra_info"]["question"] for r in train}
+    assert len(val) == 300 and not [r for r in val if r["extra_info"]["question"] in seen]
+    task = arith.TaskConfig(max_steps=1)
+    drawn = arith.generate_problems(DataConfig().val_seed, 300, task)
+    assert any(p.question in seen for p in drawn)  # what the held-out draw guards against
 
 
 def test_data_arith_files_carry_reward_model(tmp_path: Path) -> None:
@@ -74,7 +84,7 @@ def _answered(data: dict[str, Any], *answers: str) -> Sample:
 
 
 def test_reward_fn_scores_arith_rows_by_data_source() -> None:
-    row = arith_rows(0, 1, DataConfig())[0]
+    row = arith_rows(arith.generate_problems(0, 1), "train")[0]
     truth = row["reward_model"]["ground_truth"]
     fn = RewardFn("answer")
 

@@ -27,14 +27,12 @@ from tailcut.train.trainer import TrainSetup
 # -- prompts ---------------------------------------------------------------------------------
 
 
-def arith_rows(seed: int, n: int, cfg: DataConfig, split: str = "train") -> list[dict[str, Any]]:
+def arith_rows(problems: Sequence[Any], split: str) -> list[dict[str, Any]]:
     """The synthetic task's rows as ``tailcut data arith`` writes them, converted to
     ``Sample.data`` as a parquet file's rows are (:func:`~tailcut.data.verl.sample_data`)."""
     from tailcut.data import arith
     from tailcut.data.verl import sample_data
 
-    task = arith.TaskConfig(max_steps=cfg.arith_max_steps, tail_alpha=cfg.arith_tail_alpha)
-    problems = arith.generate_problems(seed, n, task)
     return [sample_data(arith.make_row(p, split, i), i) for i, p in enumerate(problems)]
 
 
@@ -61,9 +59,13 @@ def load_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The train and validation rows; ``tools``: the schemas every prompt is rendered with."""
     d = cfg.data
-    if d.task == "arith":
-        train_rows = arith_rows(cfg.trainer.seed, d.train_size, d, "train")
-        return train_rows, arith_rows(d.val_seed, d.val_size, d, "test")
+    if d.task == "arith":  # validation on problems the policy does not train on
+        from tailcut.data import arith
+
+        task = arith.TaskConfig(max_steps=d.arith_max_steps, tail_alpha=d.arith_tail_alpha)
+        problems = arith.generate_problems(cfg.trainer.seed, d.train_size, task)
+        held_out = arith.held_out_problems(d.val_seed, d.val_size, problems, task)
+        return arith_rows(problems, "train"), arith_rows(held_out, "test")
     assert d.train_path is not None
     train = parquet_rows(d.train_path, d, tokenizer, tools)
     val = parquet_rows(d.val_path, d, tokenizer, tools) if d.val_path and d.val_size else []

@@ -30,7 +30,7 @@ the same seed gives the same problems everywhere.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,13 +263,24 @@ def split_seed(seed: int, split: str) -> int:
     return synth.split_seed(seed, split, 29)
 
 
+def held_out_problems(
+    seed: int, n: int, train: Sequence[Problem], cfg: TaskConfig | None = None
+) -> list[Problem]:
+    """``n`` problems drawn from ``seed`` that are not among ``train`` (by question)."""
+    rng = random.Random(seed)
+    seen = {p.question for p in train}
+    return synth.held_out(lambda: generate_problem(rng, cfg), n, seen, lambda p: p.question)
+
+
 def write_dataset(
     out: Path, n_train: int, n_test: int, seed: int, task: TaskConfig | None = None
 ) -> dict[str, int]:
-    """Write ``train.parquet``, ``test.parquet`` and ``tools.yaml`` into ``out``."""
-
-    def rows(split: str, n: int) -> list[dict[str, Any]]:
-        problems = generate_problems(split_seed(seed, split), n, task)
-        return [make_row(p, split, i, seed) for i, p in enumerate(problems)]
-
-    return synth.write_dataset(out, {"train": n_train, "test": n_test}, rows, tool_config())
+    """Write ``train.parquet``, ``test.parquet`` (none of its problems in the train split)
+    and ``tools.yaml`` into ``out``."""
+    train = generate_problems(split_seed(seed, "train"), n_train, task)
+    test = held_out_problems(split_seed(seed, "test"), n_test, train, task)
+    rows = {
+        split: [make_row(p, split, i, seed) for i, p in enumerate(problems)]
+        for split, problems in (("train", train), ("test", test))
+    }
+    return synth.write_dataset(out, rows, tool_config())

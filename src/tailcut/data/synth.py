@@ -1,19 +1,20 @@
 """What the two synthetic tool tasks share (:mod:`tailcut.data.arith`, the calculator's
 word problems, and :mod:`tailcut.data.dapo_synth`, the code interpreter's DAPO-layout
 problems): the ordinals that open their step lines, how a reference solution is laid out
-as messages, how its answer is stated, the tool-config file, the per-split seeds and the
-files a dataset is written as. Each task keeps its own problems, prompts and rows."""
+as messages, how its answer is stated, the tool-config file, the per-split seeds, a test
+split held out from the train split, and the files a dataset is written as. Each task keeps its own problems, prompts and rows."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tailcut.tools.registry import TOOLS
 
 S = TypeVar("S")
+P = TypeVar("P")
 SPLITS = ("train", "test")
 ORDINALS = (
     "First", "Second", "Third", "Fourth", "Fifth", "Sixth",
@@ -92,22 +93,41 @@ def split_seed(seed: int, split: str, offset: int) -> int:
     return seed * 1000 + SPLITS.index(split) + offset
 
 
+def held_out(
+    draw: Callable[[], P], n: int, seen: Collection[str], key: Callable[[P], str]
+) -> list[P]:
+    """``n`` problems from ``draw`` whose ``key`` (the question) is not in ``seen`` (the
+    train split's): a test split scores problems the policy was not trained on. A small
+    task space repeats problems often (one-step problems from a few hundred starts), so
+    this draws until it has ``n``, at most ``100·n + 1000`` times."""
+    out: list[P] = []
+    for _ in range(100 * n + 1000):
+        if len(out) == n:
+            break
+        problem = draw()
+        if key(problem) not in seen:
+            out.append(problem)
+    if len(out) < n:
+        raise ValueError(
+            f"only {len(out)} of {n} held-out problems differ from the {len(seen)} train "
+            "problems: ask for fewer, or widen the task (more steps, larger start values)"
+        )
+    return out
+
+
 def write_dataset(
-    out: Path,
-    counts: Mapping[str, int],
-    rows: Callable[[str, int], list[dict[str, Any]]],
-    tools_yaml: Mapping[str, Any],
+    out: Path, rows: Mapping[str, list[dict[str, Any]]], tools_yaml: Mapping[str, Any]
 ) -> dict[str, int]:
-    """Write ``train.parquet`` and ``test.parquet`` (``rows(split, n)``) and ``tools.yaml``
-    into ``out``; return the row counts."""
+    """Write ``train.parquet`` and ``test.parquet`` (``rows[split]``) and ``tools.yaml`` into
+    ``out``; return the row counts."""
     import yaml
 
     from tailcut.data.verl import write_rows
 
     out = Path(out)
     for split in SPLITS:
-        write_rows(rows(split, counts[split]), out / f"{split}.parquet")
+        write_rows(rows[split], out / f"{split}.parquet")
     (out / "tools.yaml").write_text(
         yaml.safe_dump(dict(tools_yaml), sort_keys=False), encoding="utf-8"
     )
-    return dict(counts)
+    return {split: len(rows[split]) for split in SPLITS}
