@@ -111,3 +111,16 @@ def test_init_variant_code_and_the_builtin_code_spec(
     assert shown["cached"] is True and shown["recipe"]["variant"] == "code"
     bad = CliRunner().invoke(app, ["model", "init", "--variant", "vision"])
     assert bad.exit_code != 0 and "is not one of arith, code" in bad.output
+
+
+@pytest.mark.parametrize("variant", ["arith", "code"])
+def test_a_build_is_scored_on_problems_it_was_not_fine_tuned_on(variant: str) -> None:
+    recipe = build.VARIANTS[variant]
+    task = build._task(recipe)
+    sft = {p.question for p in build._sft_problems(recipe)}
+    held_out = task.held_out(recipe.eval_seed, recipe.eval_problems, build._sft_problems(recipe))
+    assert len(held_out) == recipe.eval_problems
+    assert not [p for p in held_out if p.question in sft]
+    if variant == "code":  # drawn independently, short problems repeat the fine-tuning set's
+        drawn = task.problems(recipe.eval_seed, recipe.eval_problems)
+        assert sum(p.question in sft for p in drawn) > recipe.eval_problems // 10

@@ -310,11 +310,16 @@ Progress = Callable[[str, float], None]
 """Called with a phase name and its fraction done (0..1)."""
 
 
+def _sft_problems(recipe: ModelRecipe) -> list[Any]:
+    """The problems the model is fine-tuned on."""
+    n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
+    return _task(recipe).problems(recipe.seed, n)
+
+
 def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) -> list[float]:
     from tailcut.models.sft import TrainConfig, encode_conversations, train
 
-    n = min(recipe.train_problems, recipe.steps * recipe.batch_size)
-    problems = _task(recipe).problems(recipe.seed, n)
+    problems = _sft_problems(recipe)
     data = encode_conversations(tokenizer, _conversations(recipe, problems, recipe.seed + 2))
     cfg = TrainConfig(
         steps=recipe.steps,
@@ -387,7 +392,8 @@ def _train_and_save(
     losses = _train(recipe, model, tokenizer, report)
     report("eval", 0.0)
     task = _task(recipe)
-    ev = task.evaluate(model, tokenizer, task.problems(recipe.eval_seed, recipe.eval_problems))
+    held_out = task.held_out(recipe.eval_seed, recipe.eval_problems, _sft_problems(recipe))
+    ev = task.evaluate(model, tokenizer, held_out)  # problems it was not fine-tuned on
     model.save_pretrained(tmp)
     _generation_config(tokenizer).save_pretrained(tmp)
     info = {

@@ -21,6 +21,10 @@ from tailcut.models.evaluate import EvalReport
 class Task(Protocol):
     def problems(self, seed: int, n: int) -> list[Any]: ...
 
+    def held_out(self, seed: int, n: int, train: Sequence[Any]) -> list[Any]:
+        """``n`` problems from ``seed``, none of them among ``train``."""
+        ...
+
     def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]: ...
 
     def tools(self) -> list[dict[str, Any]]: ...
@@ -41,8 +45,8 @@ class _DataTask:
     tail_alpha: float
     strict_items: int
     module = ""
-    """``tailcut.data.<module>``: ``TaskConfig``, ``generate_problems``, ``conversation``,
-    ``tools``."""
+    """``tailcut.data.<module>``: ``TaskConfig``, ``generate_problems``,
+    ``held_out_problems``, ``conversation``, ``tools``."""
 
     def _data(self) -> Any:
         return importlib.import_module(f"tailcut.data.{self.module}")
@@ -51,6 +55,11 @@ class _DataTask:
         data = self._data()
         cfg = data.TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
         return list(data.generate_problems(seed, n, cfg))
+
+    def held_out(self, seed: int, n: int, train: Sequence[Any]) -> list[Any]:
+        data = self._data()
+        cfg = data.TaskConfig(max_steps=self.max_steps, tail_alpha=self.tail_alpha)
+        return list(data.held_out_problems(seed, n, train, cfg))
 
     def conversation(self, problem: Any, style: str) -> list[dict[str, Any]]:
         return list(self._data().conversation(problem, style))
