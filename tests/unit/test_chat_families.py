@@ -18,7 +18,7 @@ from chat_templates import family_tokenizer
 from fakes.scripted_engine import ScriptCall, ScriptedEngine
 from tailcut.chat.history import call_id
 from tailcut.chat.parser import HermesParser
-from tailcut.chat.template import decode, encode, render
+from tailcut.chat.template import decode, encode, render, stop_token_ids
 from tailcut.chat.tokenize import IncrementalChat, TemplateError
 from tailcut.config import AgentLoopConfig
 from tailcut.rollout.agent_loop import AgentLoop
@@ -116,6 +116,24 @@ def test_llama_trims_what_the_model_padded_the_stream_keeps_it(llama):
     upto = _render(llama, sample.messages[:2], tools)
     nxt = _render(llama, sample.messages[:3], tools, add_generation_prompt=True)
     assert [decode(llama, r) for r in _runs(sample, 0)] == [nxt[len(upto) :]]
+
+
+def test_llama_eom_after_a_call_ends_the_turn_as_eot_does(llama):
+    # Llama 3.1+ ends a call in "ipython" mode with <|eom_id|>: the engine must stop there.
+    eot, eom = llama.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>"])
+    assert set(stop_token_ids(llama)) == {eot, eom}
+    call = '{"name": "calculator", "parameters": {"expression": "6 * 7"}}'
+    sample, engine, _ = _run(
+        llama, [call + "<|eom_id|> and on", "Answer: 42"], [USER], "<|eot_id|>"
+    )
+    assert [r.output_ids[-1] for r in engine.results] == [eom, eot]
+    assert sample.messages[1] == {"role": "assistant", "content": call}
+    assert sample.messages[2]["content"] == "42"
+    _check_mask(sample, engine)
+    # The template closes the call with <|eot_id|>; the sampled <|eom_id|> stands for it
+    # (the next turn follows it at once, no <|eot_id|> forced after it).
+    stream = decode(llama, list(sample.response_ids))
+    assert "<|eom_id|><|start_header_id|>ipython" in stream and "<|eom_id|><|eot_id|>" not in stream
 
 
 def test_llama_drift_is_recorded_per_message(llama):

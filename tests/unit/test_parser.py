@@ -89,6 +89,22 @@ def test_an_unterminated_block_is_an_error_and_not_content():
     assert parsed.content == "text"
 
 
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call():
+    code = {"code": "print('</tool_call>')"}
+    text = "Run it.\n" + format_tool_call("python", code) + "\nthen " + format_tool_call("g", {})
+    parsed = P.parse(text)
+    assert parsed.errors == []
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("python", code), ("g", {})]
+    assert parsed.content == "Run it.\n\nthen"
+
+
+def test_a_call_cut_after_a_closing_tag_in_a_string_is_not_closed():
+    parsed = P.parse('ok <tool_call>{"name": "python", "arguments": {"code": "</tool_call>"}}')
+    (error,) = parsed.items
+    assert isinstance(error, ToolCallError) and "not closed" in error.reason
+    assert parsed.content == "ok"
+
+
 def test_get_parser_by_name_and_unknown_names_are_refused():
     assert isinstance(get_parser("hermes", max_call_chars=10), HermesParser)
     with pytest.raises(ValueError, match="unknown tool parser 'qwen9'; known: hermes"):

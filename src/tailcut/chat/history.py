@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tailcut.chat.template import STANDS_FOR
 from tailcut.chat.tool_calls import ParsedTurn, ToolCall, ToolParser
 
 CALL_ID_CHARS = 9
@@ -102,10 +103,15 @@ def answer_ids(messages: Sequence[dict[str, Any]], ids: Sequence[str]) -> None:
 
 def closing_text(rendered: str, content: str, stop_text: str) -> str | None:
     """What the template puts after the sampled part of an assistant message: the text
-    after the sampled end-of-turn token where the rendering has it, else after the message
-    content (verbatim or trimmed); None when neither can be found."""
+    after the sampled end-of-turn token where the rendering has it, else after the token
+    it stands for (``STANDS_FOR``: Llama's ``<|eot_id|>`` where the model sampled
+    ``<|eom_id|>``) right after the content, else after the message content (verbatim or
+    trimmed); None when none can be found."""
     if stop_text and stop_text in rendered:
         return rendered[rendered.rindex(stop_text) + len(stop_text) :]
+    end = STANDS_FOR.get(stop_text)
+    if end is not None and rendered.startswith(content + end):
+        return rendered[len(content) + len(end) :]
     if rendered.startswith(content):
         return rendered[len(content) :]
     core = content.strip()

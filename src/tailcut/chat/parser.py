@@ -26,7 +26,6 @@ trajectory goes on. Parsing never raises.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ from tailcut.chat.tool_calls import (
     ToolCallError,
     ToolParser,
     call_from_object,
+    decode_prefix,
     json_error,
     too_long,
 )
@@ -65,25 +65,22 @@ class HermesParser:
 
     def __init__(self, max_call_chars: int = 16_384) -> None:
         self.max_call_chars = max_call_chars
-        self._block = re.compile(
-            re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
-        )
 
     def parse(self, text: str) -> ParsedTurn:
         items: list[ToolCall | ToolCallError] = []
         pieces: list[str] = []
         pos = 0
-        for match in self._block.finditer(text):
-            pieces.append(text[pos : match.start()])
-            items.append(self._one(match.group(1)))
-            pos = match.end()
-        tail = text[pos:]
-        open_at = tail.find(TOOL_CALL_OPEN)
-        if open_at >= 0:
-            raw = tail[open_at + len(TOOL_CALL_OPEN) :]
-            items.append(ToolCallError(f"{TOOL_CALL_OPEN} block is not closed", raw))
-            tail = tail[:open_at]
-        pieces.append(tail)
+        while (open_at := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+            pieces.append(text[pos:open_at])
+            start = open_at + len(TOOL_CALL_OPEN)
+            close = _block_close(text, start)
+            if close < 0:
+                items.append(ToolCallError(f"{TOOL_CALL_OPEN} block is not closed", text[start:]))
+                pos = len(text)
+                break
+            items.append(self._one(text[start:close]))
+            pos = close + len(TOOL_CALL_CLOSE)
+        pieces.append(text[pos:])
         return ParsedTurn(content="".join(pieces).strip(), items=items)
 
     def _one(self, raw: str) -> ToolCall | ToolCallError:
@@ -95,6 +92,18 @@ class HermesParser:
         except json.JSONDecodeError as exc:
             return ToolCallError(json_error(exc), raw)
         return call_from_object(obj, raw, HERMES_HINT)
+
+
+def _block_close(text: str, start: int) -> int:
+    """Where the ``</tool_call>`` that closes the block whose body starts at ``start`` is:
+    the first after the JSON value the body starts with (a ``</tool_call>`` inside a JSON
+    string, say in code that prints it, does not end the call), else the first after
+    ``start`` (a malformed body); -1 when there is none."""
+    try:
+        _, end = decode_prefix(text[start:])
+    except json.JSONDecodeError:
+        end = 0
+    return text.find(TOOL_CALL_CLOSE, start + end)
 
 
 class AutoParser:

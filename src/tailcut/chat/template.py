@@ -41,6 +41,13 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
+EOM_ID = "<|eom_id|>"
+"""Llama 3.1+'s end of message: ends an assistant turn after a tool call, as ``<|eot_id|>``
+(the tokenizer's EOS) ends any other."""
+STANDS_FOR = {EOM_ID: "<|eot_id|>"}
+"""A sampled end token that is the format's own end of a message where the template writes
+another: the template's is not forced after it. (Any other foreign end token, say ChatML's
+``<|endoftext|>``, is kept and the template's closing still forced.)"""
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
@@ -179,15 +186,15 @@ def render_ids(
 
 
 def stop_token_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
-    """End-of-turn ids: the tokenizer's EOS (one or several) plus ``<|im_end|>`` and
-    ``<|endoftext|>`` where the vocabulary has them."""
+    """End-of-turn ids: the tokenizer's EOS (one or several) plus ``<|im_end|>``,
+    ``<|endoftext|>`` and Llama's ``<|eom_id|>`` where the vocabulary has them."""
     found: list[int] = []
     eos = getattr(tokenizer, "eos_token_id", None)
     for value in eos if isinstance(eos, list | tuple) else [eos]:
         if isinstance(value, int):
             found.append(value)
     unk = getattr(tokenizer, "unk_token_id", None)
-    for token in (IM_END, END_OF_TEXT):
+    for token in (IM_END, END_OF_TEXT, EOM_ID):
         tid = tokenizer.convert_tokens_to_ids(token)
         if isinstance(tid, int) and tid >= 0 and tid != unk:
             found.append(tid)
