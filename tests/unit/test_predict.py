@@ -82,3 +82,20 @@ def test_censored_samples_teach_a_longer_length_than_they_reached():
     )
     cut.end_step([_sample(0, 0, 400, Status.COMPLETED, 1), _sample(1, 0, 400, Status.ABORTED, 1)])
     assert cut.level > done.level
+
+
+def test_members_of_one_length_per_prompt_predict_the_level_for_a_new_prompt():
+    """Greedy decoding (or a deterministic workload): no spread within a prompt, so the
+    global level weighs nothing beside a prompt's own lengths (k = 0). A prompt never seen,
+    no member finished, is predicted the level; one with a finished member, that length."""
+    pred = LengthPredictor()
+    done = [_sample(4 * g + m, g, 100 * (g + 1), Status.COMPLETED, g)
+            for g in range(4) for m in range(4)]  # fmt: skip
+    pred.end_step(done)
+    assert pred.sigma_within == 0.0 and pred.shrink == 0.0
+    fresh = [_sample(i, 10 + i // 4, 0, Status.PENDING, 10 + i // 4) for i in range(8)]
+    pred.start_step(fresh)
+    assert math.isclose(pred.prompt_level(0), pred.level)
+    assert math.isfinite(pred.remaining(0))
+    pred.sibling_done(0, 300)
+    assert math.isclose(pred.prompt_level(1), math.log(300))

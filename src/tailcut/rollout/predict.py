@@ -203,7 +203,9 @@ class LengthPredictor:
         if sib is not None and sib.n:
             weight += sib.n
             total += sib.n * sib.mean
-        return total / weight
+        # k = 0 (members of a prompt all of one length): the global level weighs nothing
+        # beside a prompt's own lengths; a prompt with none has only the level.
+        return total / weight if weight > 0 else level
 
     def remaining(self, index: int, tokens_so_far: int = 0, turns_done: int = 0) -> float:
         """Expected output tokens trajectory ``index`` has still to generate, after
