@@ -42,6 +42,14 @@ def test_target_count_reference_numbers():
     assert (p.n_launch, p.n_target) == (1024, 921)
 
 
+def test_target_count_keeps_the_exact_share_where_the_float_falls_just_short():
+    # 90 · 0.7 = 62.99999999999999 in floats; 720 · 0.7 = 503.99999999999994
+    assert TargetCount(90, abort_ratio=0.3).n_target == 63
+    assert TargetCount(720, 16, abort_ratio=0.3).n_target == 504
+    assert TargetCount(100, abort_ratio=0.8).n_target == 20
+    assert TargetCount(7, abort_ratio=0.5).n_target == 3  # a real fraction still rounds down
+
+
 def test_over_provision_launches_more_to_keep_n():
     p = OverProvision(100, over_provision=0.1)
     assert (p.n_launch, p.n_target) == (110, 100)
@@ -139,6 +147,18 @@ def test_default_learned_deadline_ignores_long_and_cut_steps_in_its_history():
     cut_at_median = Deadline(10, quantile=0.5)
     cut_at_median.load_state_dict(p.state_dict())
     assert cut_at_median.budget_s() > 1.3 * 70.0
+
+
+def test_a_step_that_mostly_failed_does_not_teach_the_deadline():
+    p = Deadline(10)
+    for t in (60.0, 60.0):
+        p.end(StepFeedback(step_time_s=t, cut=False, usable=10, launched=10))
+    budget = p.budget_s()
+    p.end(StepFeedback(step_time_s=0.2, cut=False, usable=0, launched=10))  # all failed
+    p.end(StepFeedback(step_time_s=1.0, cut=False, usable=6, launched=10))  # under min_done
+    assert p.budget_s() == budget
+    p.end(StepFeedback(step_time_s=50.0, cut=True, usable=7, launched=10))  # a cut counts
+    assert p.budget_s() != budget
 
 
 def test_make_policy_covers_every_configured_name():

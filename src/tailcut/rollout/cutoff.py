@@ -140,7 +140,7 @@ class TargetCount(CutoffPolicy):
             raise ValueError(f"target-count: abort_ratio must be in [0, 1), got {abort_ratio}")
         super().__init__(n_target, group_size)
         self.n_launch = n_target
-        self.n_target = max(1, int(n_target * (1.0 - abort_ratio)))
+        self.n_target = max(1, math.floor(n_target * (1.0 - abort_ratio) + 1e-9))
 
     def _should_cut(self, index: int, group: int, status: Status, now: float) -> bool:
         return len(self.usable_order) >= self.n_target
@@ -311,7 +311,11 @@ class Deadline(CutoffPolicy):
         return sorted(self.usable_order)
 
     def end(self, outcome: StepFeedback) -> None:
-        self.history.append(outcome.step_time_s)
+        """Remember the step's time, unless it ended uncut with fewer than ``min_done``
+        usable samples (most of it failed): how fast a broken step ended says nothing of
+        how long a step takes."""
+        if outcome.cut or outcome.usable >= self.min_done:
+            self.history.append(outcome.step_time_s)
 
     def would_keep(self, samples: Sequence[Sample]) -> int:
         """Those finished within the current deadline (at least ``min_done``); all finished
