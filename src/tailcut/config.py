@@ -212,6 +212,10 @@ class EngineConfig(_Model):
         return "scaled" if self.kind == "sglang" else "raw" if self.kind == "vllm" else "sampled"
 
 
+OVER_PROVISION_MAX = 4.0
+"""The most ``cutoff.over_provision`` asks: a step launches at most 5× what it keeps."""
+
+
 class CutoffConfig(_Model):
     policy: Literal["wait-all", "target-count", "over-provision", "group-quota", "deadline"] = (
         "target-count"
@@ -219,7 +223,7 @@ class CutoffConfig(_Model):
     """When to cut the step (see rollout/cutoff.py)."""
     abort_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     """target-count: launch N, keep the first int(N·(1−r))."""
-    over_provision: float = Field(0.1, ge=0.0, le=4.0)
+    over_provision: float = Field(0.1, ge=0.0, le=OVER_PROVISION_MAX)
     """over-provision / group-quota: launch ⌈N·(1+o)⌉ (or extra groups) to keep N."""
     deadline_s: float | None = Field(None, gt=0.0)
     """deadline: fixed deadline in seconds (None = learned)."""

@@ -242,3 +242,20 @@ def test_the_zero_latency_engine_answers_in_full_and_obeys_aborts():
 
     out = asyncio.run(aborted())
     assert (out.finish_reason, len(out.output_ids)) == (FinishReason.ABORT, 0)
+
+
+def test_a_small_target_fraction_runs_the_count_policies_and_names_the_limit_of_the_others():
+    """F = 0.1 keeps a tenth of N under target-count; over-provision would launch 10× N,
+    past its 5× limit: the error names the fraction and the limit, not a config field."""
+    runner = CliRunner()
+    base = ["bench", "--requests", "40", "--scale-cut", "0", "--warmup-steps", "0", "--json",
+            "--target-fraction", "0.1"]  # fmt: skip
+    res = runner.invoke(app, [*base, "--policy", "target-count"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.output)["rows"]
+    assert row["policy"] == "target-count" and row["kept"] == 4
+    res = runner.invoke(app, [*base, "--policy", "over-provision"])
+    assert res.exit_code != 0
+    assert (
+        "F=0.1" in res.output and "at most 5×" in res.output and "--target-fraction" in res.output
+    )

@@ -46,7 +46,7 @@ from tailcut.bench.scheduled import (
 )
 from tailcut.bench.sim_step import ScaleCut, overhead_us_per_request, run_policy_step, scale_cut
 from tailcut.bench.workloads import REFERENCE, Trajectory, Workload
-from tailcut.config import CutoffConfig, SimEngineConfig
+from tailcut.config import OVER_PROVISION_MAX, CutoffConfig, SimEngineConfig
 from tailcut.rollout.admission import Admission
 from tailcut.rollout.cutoff import POLICIES, CutoffPolicy, make_policy
 from tailcut.rollout.step import StepResult
@@ -159,11 +159,19 @@ class BenchReport:
 
 
 def cutoff_config(policy: str, target_fraction: float) -> CutoffConfig:
-    return CutoffConfig(
-        policy=policy,
-        abort_ratio=1.0 - target_fraction,
-        over_provision=1.0 / target_fraction - 1.0,
-    )
+    """The config keeping the share ``F`` of a step: over-provision and group-quota launch
+    N/F to keep N (at most 5× N, so F ≥ 0.2), the others launch N and keep N·F."""
+    if policy not in ("over-provision", "group-quota"):
+        return CutoffConfig(policy=policy, abort_ratio=1.0 - target_fraction)
+    over = 1.0 / target_fraction - 1.0
+    if over > OVER_PROVISION_MAX:
+        raise ValueError(
+            f"target fraction F={target_fraction:g}: {policy} would launch "
+            f"{1.0 / target_fraction:.3g}× the requests it keeps; it launches at most "
+            f"{1.0 + OVER_PROVISION_MAX:g}× (F ≥ {1.0 / (1.0 + OVER_PROVISION_MAX):g}); "
+            "raise --target-fraction or leave this policy out (--policy)"
+        )
+    return CutoffConfig(policy=policy, abort_ratio=1.0 - target_fraction, over_provision=over)
 
 
 def build_policy(name: str, opts: BenchOptions) -> CutoffPolicy:
