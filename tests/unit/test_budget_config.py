@@ -24,6 +24,8 @@ BASE = ["engine.kind=hf"]
          "cutoff.over_provision:"),
         (["cutoff.adapt=true", "cutoff.policy=group-quota", "cutoff.over_provision=0.25",
           "algo.filter_groups=zero-std"], "cutoff.adapt: under algo.filter_groups"),
+        (["cutoff.adapt=true", "cutoff.policy=over-provision", "cutoff.adapt_max=0.95"],
+         "cutoff.adapt_max: 0.95 would let over-provision launch 20×"),
         (["algo.filter_groups=all"], "algo.filter_groups"),
         (["algo.max_gen_rounds=-1"], "algo.max_gen_rounds"),
         (["rollout.max_retries=-1"], "rollout.max_retries"),
@@ -34,6 +36,17 @@ BASE = ["engine.kind=hf"]
 def test_bad_budget_configs_name_their_field(overrides: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_train_config(None, [*BASE, *overrides])
+
+
+def test_the_adaptive_cut_reaches_its_top_within_the_over_provision_limit() -> None:
+    cfg = load_train_config(None, [*BASE, "cutoff.adapt=true", "cutoff.policy=over-provision",
+                                   "cutoff.adapt_max=0.8"])  # fmt: skip
+    budget = Budget(cfg.cutoff, cfg.data.batch_size)
+    assert budget.adapt is not None
+    budget.adapt.share = cfg.cutoff.adapt_max
+    top = budget.cutoff()
+    assert top.over_provision == pytest.approx(4.0)
+    CutoffConfig.model_validate(top.model_dump())  # a config the loader accepts
 
 
 def test_the_defaults_change_nothing_but_refill() -> None:

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tailcut.config import OVER_PROVISION_MAX
 from tailcut.types import FINISHED, Sample, Status
 
 
@@ -181,10 +182,11 @@ def share_of(policy: str, abort_ratio: float, over_provision: float) -> float:
 
 
 def cutoff_update(policy: str, share: float) -> dict[str, float]:
-    """The ``CutoffConfig`` fields that make ``policy`` cut ``share`` of a step."""
+    """The ``CutoffConfig`` fields that make ``policy`` cut ``share`` of a step (an
+    over-provision within its limit: 0.8 / 0.2 is 4.000000000000001 in floats)."""
     if policy == "target-count":
         return {"abort_ratio": share}
-    return {"over_provision": share / (1.0 - share)}
+    return {"over_provision": min(share / (1.0 - share), OVER_PROVISION_MAX)}
 
 
 ADAPTABLE = ("target-count", "over-provision", "group-quota")

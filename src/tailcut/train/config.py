@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tailcut.config import (
+    OVER_PROVISION_MAX,
     AgentLoopConfig,
     CutoffConfig,
     EngineConfig,
@@ -412,6 +413,14 @@ class TrainConfig(_Model):
         if c.adapt_min >= c.adapt_max:
             raise ValueError(
                 f"cutoff.adapt_min: {c.adapt_min} must be below cutoff.adapt_max={c.adapt_max}"
+            )
+        most = OVER_PROVISION_MAX / (1.0 + OVER_PROVISION_MAX)
+        if c.policy != "target-count" and c.adapt_max > most + 1e-12:
+            raise ValueError(
+                f"cutoff.adapt_max: {c.adapt_max} would let {c.policy} launch "
+                f"{1.0 / (1.0 - c.adapt_max):.3g}× what it keeps; it launches at most "
+                f"{1.0 + OVER_PROVISION_MAX:g}× (cutoff.over_provision ≤ {OVER_PROVISION_MAX:g}), "
+                f"so cutoff.adapt_max ≤ {most:g}"
             )
         name, start = (
             ("abort_ratio", c.abort_ratio)
