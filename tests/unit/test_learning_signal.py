@@ -128,6 +128,40 @@ def test_engine_logprobs_of_the_actors_distribution_are_accepted(overrides: list
     assert cfg.algo.old_logprobs == "engine"
 
 
+VLLM = ["engine.kind=vllm", "engine.urls=[http://127.0.0.1:1]"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*VLLM, "cutoff.aborted=partial", "agent.temperature=0.7"],  # the default correction
+        [*VLLM, "cutoff.long_rounds=true", "agent.temperature=0.7"],
+        ["engine.hf.logprobs=raw", "agent.temperature=0.7", "algo.rollout_correction=seq-tis"],
+    ],
+)
+def test_a_rollout_correction_against_temperature_1_logprobs_is_refused(
+    overrides: list[str],
+) -> None:
+    """The correction's μ must be what the engine sampled from: temperature-1 log-probs of
+    tokens drawn at 0.7 weigh identical policies by up to 30× (and mask 13% under mis)."""
+    with pytest.raises(ConfigError, match=r"algo\.rollout_correction: .*=raw gives temperature-1"):
+        load_train_config(None, ["engine.kind=hf", *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*VLLM, "cutoff.aborted=partial", "agent.temperature=0.7", "engine.remote.logprobs=sampled"],
+        [*VLLM, "cutoff.aborted=partial", "agent.temperature=0.7", "algo.rollout_correction=none"],
+        [*VLLM, "cutoff.aborted=partial"],  # temperature 1: raw is what it sampled from
+    ],
+)  # fmt: skip
+def test_a_rollout_correction_on_the_sampling_distribution_is_accepted(
+    overrides: list[str],
+) -> None:
+    assert load_train_config(None, ["engine.kind=hf", *overrides]).algo.old_logprobs == "recompute"
+
+
 def test_recompute_is_the_default_and_takes_any_sampler() -> None:
     cfg = load_train_config(None, ["agent.top_p=0.5", "agent.temperature=0.3"])
     assert cfg.algo.old_logprobs == "recompute" and cfg.algo.clip_ratio_c == 3.0

@@ -436,15 +436,28 @@ class TrainConfig(_Model):
     def _check_logprobs(self) -> None:
         """π_old from the engine must be the actor's distribution (log_softmax(logits / T))."""
         a, ag = self.algo, self.agent
+        dist = self.engine.logprob_distribution
+        field = "engine.hf.logprobs" if self.engine.kind == "hf" else "engine.remote.logprobs"
         if a.old_logprobs == "recompute":
+            if a.rollout_correction != "none" and dist == "raw" and ag.temperature != 1:
+                hint = (
+                    " (vLLM: --logprobs-mode processed_logprobs)"
+                    if self.engine.kind == "vllm"
+                    else ""
+                )
+                raise ValueError(
+                    f"algo.rollout_correction: {a.rollout_correction!r} (the default with "
+                    "cutoff.aborted=partial or cutoff.long_rounds) weighs each token by "
+                    f"π_old/μ, μ the distribution the engine sampled from; {field}=raw gives "
+                    f"temperature-1 log-probs, sampled at agent.temperature={ag.temperature}: "
+                    f"use {field}=sampled{hint}, or algo.rollout_correction=none"
+                )
             return
         if a.rollout_correction != "none":
             raise ValueError(
                 f"algo.rollout_correction: {a.rollout_correction!r} needs "
                 "algo.old_logprobs=recompute (with engine log-probs as π_old its weight is 1)"
             )
-        dist = self.engine.logprob_distribution
-        field = "engine.hf.logprobs" if self.engine.kind == "hf" else "engine.remote.logprobs"
         why = None
         if ag.temperature == 0:
             why = "agent.temperature=0 samples greedily (the engine reports a point mass)"
