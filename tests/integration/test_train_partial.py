@@ -41,6 +41,9 @@ def test_partial_staleness_zero_behaves_like_drop(tmp_path: Path, chat_tokenizer
     )
     assert all(r["partial/resumed"] == 0 for r in rows[1:])
     assert rows[-1]["partial/dropped_total"] >= 4
+    # Each step reports the trajectories it let go, and the tokens they had sampled.
+    assert sum(r["partial/expired"] for r in rows[1:]) == rows[-1]["partial/dropped_total"]
+    assert sum(r["partial/expired_tokens"] for r in rows[1:]) > 0
 
 
 def test_partial_kill_and_resume(tmp_path: Path, chat_tokenizer: Any) -> None:

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from tailcut.algo.metrics import partial_metrics
 from tailcut.rollout.partial import PartialBuffer
 from tailcut.types import FinishReason, Sample, Status, Turn
 
@@ -63,8 +64,12 @@ def test_staleness_bound_drops_and_counts() -> None:
     again.status = Status.ABORTED
     assert buf.add([again], step=1) == 0
     late = buf.take(step=2)
-    assert late.resumed == [] and late.expired == 1 and late.expired_tokens == 3
-    assert buf.dropped_total == 2 and buf.baselines == {}
+    assert late.resumed == [] and buf.dropped_total == 2 and buf.baselines == {}
+    lost = buf.pop_lost()  # one cut again too late (add), one left waiting too long (take)
+    assert sorted(s.index for s in lost) == [0, 1] and buf.pop_lost() == []
+    metrics = partial_metrics(len(late.resumed), lost, len(buf), buf.dropped_total)
+    assert metrics["partial/expired"] == 2.0
+    assert metrics["partial/expired_tokens"] == sum(s.generated_tokens for s in lost) > 0
 
 
 def test_zero_staleness_is_drop() -> None:

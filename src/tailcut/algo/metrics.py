@@ -48,19 +48,6 @@ class StepLike(Protocol):
     def wasted_tokens(self) -> int: ...
 
 
-class TakenLike(Protocol):
-    """The parts of the partial buffer's take result that metrics read."""
-
-    @property
-    def resumed(self) -> list[Sample]: ...
-
-    @property
-    def expired(self) -> int: ...
-
-    @property
-    def expired_tokens(self) -> int: ...
-
-
 def _mean(xs: Sequence[float]) -> float:
     return math.fsum(xs) / len(xs) if xs else 0.0
 
@@ -235,13 +222,17 @@ def filter_metrics(result: FilterResult, gen_rounds: float) -> dict[str, float]:
     }
 
 
-def partial_metrics(taken: TakenLike, buffered: int, dropped_total: int) -> dict[str, float]:
-    """The partial-rollout buffer over one step (``cutoff.aborted=partial``): what the step
-    took from it (``taken``), and what it holds after the step's deferred samples went in."""
+def partial_metrics(
+    resumed: int, expired: Sequence[Sample], buffered: int, dropped_total: int
+) -> dict[str, float]:
+    """The partial-rollout buffer over one step (``cutoff.aborted=partial``): how many
+    trajectories the step resumed, those it let go past ``cutoff.max_staleness``
+    (``expired``: cut again too late to resume, or left waiting too long) with every token
+    they had sampled, and what it holds after the step's deferred samples went in."""
     return {
-        "partial/resumed": float(len(taken.resumed)),
-        "partial/expired": float(taken.expired),
-        "partial/expired_tokens": float(taken.expired_tokens),
+        "partial/resumed": float(resumed),
+        "partial/expired": float(len(expired)),
+        "partial/expired_tokens": float(sum(s.generated_tokens for s in expired)),
         "partial/buffered": float(buffered),
         "partial/dropped_total": float(dropped_total),
     }

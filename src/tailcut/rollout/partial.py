@@ -44,10 +44,6 @@ class PartialEntry:
 class TakeResult:
     resumed: list[Sample]
     """Fresh PENDING copies to launch this step (``index`` set by the caller)."""
-    expired: int = 0
-    """Trajectories dropped for exceeding ``max_staleness``."""
-    expired_tokens: int = 0
-    """Their sampled tokens (wasted work)."""
 
 
 @dataclass
@@ -60,8 +56,10 @@ class PartialBuffer:
     """group id → rewards of its members that finished in earlier steps."""
     dropped_total: int = 0
     lost: list[Sample] = field(default_factory=list)
-    """Trajectories dropped for staleness since the last :meth:`pop_lost` (with
-    ``cutoff.long_rounds`` their prompts go to the long-round queue)."""
+    """Trajectories dropped for staleness since the last :meth:`pop_lost`: cut again too
+    late to resume (``add``) or left waiting too long (``take``); the step's
+    ``partial/expired``, and with ``cutoff.long_rounds`` their prompts go to the long-round
+    queue."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -106,9 +104,7 @@ class PartialBuffer:
         out = TakeResult(resumed=[])
         keep: list[PartialEntry] = []
         for e in self.entries:
-            if step - e.started_step > self.max_staleness:
-                out.expired += 1
-                out.expired_tokens += e.sample.generated_tokens
+            if step - e.started_step > self.max_staleness:  # left waiting (``limit``)
                 self.dropped_total += 1
                 self.lost.append(e.sample)
             elif limit is None or len(out.resumed) < limit:

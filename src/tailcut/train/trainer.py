@@ -285,8 +285,10 @@ class Trainer:
         baselines = None
         if self.partial:
             baselines = self.buffer.settle(step, rows)
-            self.budget.queue_lost(self.buffer.pop_lost(), step)
-            metrics.update(partial_metrics(taken, len(self.buffer), self.buffer.dropped_total))
+            lost = self.buffer.pop_lost()
+            self.budget.queue_lost(lost, step)
+            buffered, dropped = len(self.buffer), self.buffer.dropped_total
+            metrics.update(partial_metrics(len(taken.resumed), lost, buffered, dropped))
         a = self.cfg.algo
         target = self.cfg.data.batch_size if a.filter_groups != "none" else None
         filtered = filter_groups(rows, a.filter_groups, baselines, target)
