@@ -290,6 +290,36 @@ def test_a_mini_batch_without_loss_tokens_leaves_every_parameter_bit_identical()
         assert all(torch.equal(v[n], after[k][n]) for n in v if torch.is_tensor(v[n]))
 
 
+def test_a_step_with_a_non_finite_gradient_is_counted_as_not_taken() -> None:
+    a = actor(mini_batches=2)
+    before = params(a)
+    huge = batch()
+    huge.advantages = [x * 3e38 for x in huge.advantages]  # the gradient overflows
+    out = a.update(huge)
+    assert a.optimizer_steps == 0 and out["train/optimizer_steps"] == 0.0
+    assert out["train/nonfinite_grad_steps"] == 2.0
+    assert all(torch.equal(p, before[k]) for k, p in params(a).items())
+    out = a.update(batch())
+    assert out["train/optimizer_steps"] == 2.0 and out["train/nonfinite_grad_steps"] == 0.0
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_the_flop_count_runs_the_reference_model_once_per_epoch(kl_coef: float) -> None:
+    counted: list[int] = []
+    cfg = ActorConfig(lr=1e-2, micro_batch_rows=4, epochs=3, mini_batches=2)
+    algo = AlgoConfig(kl_coef=kl_coef)
+    a = Actor(tiny_policy(VOCAB), cfg, algo, norm_len=16, temperature=0.7,
+              ref_model=tiny_policy(VOCAB))  # fmt: skip
+    if a.ref is not None:  # count the reference model's forward passes over the batch
+        a.ref.register_forward_hook(lambda m, i, o: counted.append(i[0].shape[0]))
+    b = batch()
+    out = a.update(b)
+    per_token = out["perf/train_flops"] / (out["perf/params"] * out["perf/train_tokens"] / 3)
+    ref_passes = sum(counted) / sum(b.row_valid)  # rows it ran over, in batch sizes
+    assert ref_passes == (3.0 if kl_coef else 0.0)
+    assert per_token == pytest.approx(6.0 * 3 + 2.0 * ref_passes + 2.0)  # + the π_old scoring
+
+
 # -- failures ----------------------------------------------------------------------------
 
 

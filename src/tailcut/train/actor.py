@@ -261,6 +261,7 @@ class Actor:
         scored = self.algo.old_logprobs == "recompute" and not pi.pending  # a pre-pass ran
         sums: dict[str, float] = {}
         n_steps = skipped = 0
+        stepped_before = self.optimizer_steps
         for _ in range(self.cfg.epochs):
             for micros in plans:
                 step_metrics = self._mini_batch(t, micros, pi)
@@ -277,7 +278,9 @@ class Actor:
             keys = sorted(c.sums)
             total = dict(zip(keys, self.ranks.all_sum([c.sums[k] for k in keys]), strict=True))
             out.update({f"train/{k}": v for k, v in correction_metrics(total).items()})
-        out["train/optimizer_steps"] = float(n_steps)
+        stepped = self.optimizer_steps - stepped_before
+        out["train/optimizer_steps"] = float(stepped)
+        out["train/nonfinite_grad_steps"] = float(n_steps - stepped)  # no step taken
         out["train/skipped_mini_batches"] = float(skipped)
         out["train/rows"] = float(len(real))
         out["train/weight_norm"] = self.weight_norm()
@@ -290,12 +293,12 @@ class Actor:
         """``perf/*``: the tokens the update ran through the model (prompt and response of
         every real row, once per epoch) and the model FLOPs that took, the dense-transformer
         count (6·N per token forward and backward, 2·N per token of a forward-only pass: the
-        π_old scoring pass when one ran, the reference model when ``kl_coef`` > 0; attention's
-        quadratic part left out). Over the update's seconds (the trainer's
+        π_old scoring pass when one ran, the reference model's once per epoch when
+        ``kl_coef`` > 0; attention's quadratic part left out). Over the update's seconds (the trainer's
         ``perf/train_tflops_per_s``), over the device's peak: the MFU."""
         tokens = float((t.prompt_lens[real] + t.response_lens[real]).sum()) if real else 0.0
         n = float(self.n_params)
-        passes = 6.0 * self.cfg.epochs + 2.0 * scored + 2.0 * (self.ref is not None)
+        passes = (6.0 + 2.0 * (self.ref is not None)) * self.cfg.epochs + 2.0 * scored
         return {
             "perf/train_tokens": tokens * self.cfg.epochs,
             "perf/train_flops": passes * n * tokens,
