@@ -36,7 +36,7 @@ def test_zero_std_drops_uninformative_groups_with_their_masked_rows(mode: str) -
     plan = plan_rows(_step(), None, mode)  # type: ignore[arg-type]
     res = filter_groups(plan, "zero-std")
     assert sorted(set(res.plan.groups)) == [1, 3]
-    assert res.filtered_groups == 2 and res.kept_groups == 2 and res.surplus_groups == 0
+    assert res.filtered_groups == 2 and res.informative_groups == 2 and res.surplus_groups == 0
     assert res.plan.counts.real == 5 and res.plan.counts.masked == 0
     assert res.filtered_rows == len(plan.samples) - 5
     assert all(res.plan.valid)
@@ -46,6 +46,7 @@ def test_none_keeps_everything() -> None:
     plan = plan_rows(_step(), None, "mask")
     res = filter_groups(plan, "none")
     assert res.plan is plan and res.filtered_groups == 0
+    assert res.informative_groups == 2  # of 4 groups: 1 and 3 (0 all equal, 2 one member)
 
 
 def test_target_keeps_the_first_informative_groups() -> None:

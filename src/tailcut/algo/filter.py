@@ -58,7 +58,8 @@ def informative_groups(
 @dataclass(frozen=True, slots=True)
 class FilterResult:
     plan: RowPlan
-    kept_groups: int
+    informative_groups: int
+    """Groups of ``plan`` whose rewards differ (with ``none``, beside those that do not)."""
     filtered_groups: int
     """Groups dropped for carrying no signal (all rewards equal, or fewer than two)."""
     surplus_groups: int
@@ -77,9 +78,9 @@ def filter_groups(
     if mode not in ("none", "zero-std"):
         raise ValueError(f"algo.filter_groups must be 'none' or 'zero-std', got {mode!r}")
     rewards = group_rewards(plan, baselines)
-    if mode == "none":
-        return FilterResult(plan, len(rewards), 0, 0, 0)
     good = [g for g, r in rewards.items() if is_informative(r)]
+    if mode == "none":
+        return FilterResult(plan, len(good), 0, 0, 0)
     keep = set(good if target is None else good[:target])
     rows, valid = [], []
     real = masked = 0

@@ -217,7 +217,7 @@ def filter_metrics(result: FilterResult, gen_rounds: float) -> dict[str, float]:
         "batch/filtered_groups": float(result.filtered_groups),
         "batch/surplus_groups": float(result.surplus_groups),
         "batch/filtered_rows": float(result.filtered_rows),
-        "batch/informative_groups": float(result.kept_groups),
+        "batch/informative_groups": float(result.informative_groups),
         "batch/gen_rounds": float(gen_rounds),
     }
 
