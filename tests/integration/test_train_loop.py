@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from rich.console import Console
-from train_fixtures import read_jsonl, tiny_config, tiny_setup
+from train_fixtures import read_jsonl, tiny_config, tiny_setup, train_killed, train_tiny
 
 from tailcut.train.trainer import Trainer
 from tailcut.vtime import run_virtual
@@ -112,3 +112,17 @@ def test_length_aware_schedule_in_training(tmp_path: Path, chat_tokenizer: Any) 
             for k in ("train/loss", "batch/loss_tokens", "rollout/generated_tokens"):
                 assert ra[k] == rb[k], (name, ra["step"], k)
             assert rb["batch/real_rows"] == 12
+
+
+def test_a_resumed_run_schedules_with_the_lengths_learned_before(
+    tmp_path: Path, chat_tokenizer: Any
+) -> None:
+    """``rollout.schedule.kind=spf``: the worker's length predictor is in the checkpoint, so
+    the resumed run's predictor has learned what the uninterrupted run's has."""
+    spf = ("cutoff.policy=target-count", "cutoff.abort_ratio=0.25", "rollout.schedule.kind=spf")
+    full, _ = train_tiny(tiny_config(tmp_path / "full", *spf), chat_tokenizer)
+    cfg = tiny_config(tmp_path / "cut", *spf)
+    train_killed(cfg, chat_tokenizer, step=3)
+    resumed, _ = train_tiny(cfg, chat_tokenizer)
+    want, got = (t.workers.workers[0].admission.schedule.predictor for t in (full, resumed))
+    assert (got.level, got.sigma_within) == (want.level, want.sigma_within)

@@ -1,4 +1,7 @@
+import json
 import math
+
+import pytest
 
 from tailcut.rollout.predict import LengthPredictor, conditional_mean, prompt_key, ranks, spearman
 from tailcut.types import Sample, Status, Turn
@@ -99,3 +102,47 @@ def test_members_of_one_length_per_prompt_predict_the_level_for_a_new_prompt():
     assert math.isfinite(pred.remaining(0))
     pred.sibling_done(0, 300)
     assert math.isclose(pred.prompt_level(1), math.log(300))
+
+
+def _two_turns(index: int, group: int, first: int, total: int, prompt: int) -> Sample:
+    """A finished two-turn trajectory; prompt ``prompt`` known by its tokens (no id)."""
+    s = Sample(index=index, group=group, prompt_ids=[7, prompt])
+    s.turns.append(Turn(0, f"r{index:07d}", 4, output_tokens=first))
+    s.turns.append(Turn(1, f"s{index:07d}", 4, output_tokens=total - first))
+    s.status = Status.COMPLETED
+    return s
+
+
+def test_a_restored_predictor_predicts_and_learns_as_the_one_it_was_saved_from():
+    """Histories (by prompt id and by prompt tokens), epoch pairs and progress fits all
+    survive a JSON round trip of the state: the copy predicts the same, before and after
+    both learn one more step."""
+    pred = LengthPredictor()
+    lengths = {p: 100 * (1 + p) for p in range(12)}
+    for _ in range(2):
+        _epoch(pred, lengths)
+        pred.end_step(_two_turns(i, 50 + i // 4, 10 + 3 * i, 60 + 9 * i, i // 4) for i in range(40))
+    assert pred.history_weight > 0.0 and pred.remaining(0, 40, 1) != pred.remaining(0, 40)
+    copy = LengthPredictor()
+    copy.load_state_dict(json.loads(json.dumps(pred.state_dict())))
+    assert copy.state_dict() == pred.state_dict()
+    launched = [
+        *(Sample(index=i, group=i, data={"prompt_id": p}) for i, p in enumerate(lengths)),
+        *(_two_turns(12 + i, 12 + i, 0, 0, i) for i in range(3)),
+    ]
+    for step in range(2):
+        for p in (pred, copy):
+            p.start_step(launched)
+            p.sibling_done(3, 700)
+        for i in range(len(launched)):
+            for tokens, turns in ((0, 0), (50, 1), (120, 2)):
+                assert copy.remaining(i, tokens, turns) == pred.remaining(i, tokens, turns)
+        if step == 0:
+            for p in (pred, copy):
+                _epoch(p, {q: n + 37 for q, n in lengths.items()})
+
+
+def test_a_predictor_state_of_another_version_is_refused():
+    state = LengthPredictor().state_dict()
+    with pytest.raises(ValueError, match="version 2"):
+        LengthPredictor().load_state_dict({**state, "version": 2})

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from tailcut.config import ScheduleConfig
 from tailcut.engine.base import Engine, EngineView
+from tailcut.rollout.predict import LengthPredictor
 from tailcut.rollout.spf import ShortestPredictedFirst
 from tailcut.rollout.step import RolloutFn
 from tailcut.trace.events import Tracer
@@ -135,8 +136,12 @@ class _GatedRollout:
         await self.rollout(sample, _GatedEngine(engine, self.gate, sample), tracer)
 
 
-def make_admission(cfg: ScheduleConfig) -> Admission | None:
-    """The admission a schedule config asks for (None: fifo, nothing held)."""
+def make_admission(
+    cfg: ScheduleConfig, predictor: LengthPredictor | None = None
+) -> Admission | None:
+    """The admission a schedule config asks for (None: fifo, nothing held), predicting
+    with ``predictor`` (None: a fresh one)."""
     if cfg.kind == "fifo":
         return None
-    return Admission(ShortestPredictedFirst(margin=cfg.margin, need_ratio=cfg.need_ratio))
+    schedule = ShortestPredictedFirst(predictor, margin=cfg.margin, need_ratio=cfg.need_ratio)
+    return Admission(schedule)

@@ -23,14 +23,19 @@ trajectories teach as censored: at their expected length given that they ran pas
 they had.
 
 Nothing here awaits or reads a clock; the scheduling policy (``rollout/spf.py``) asks it.
+What it has learned is a JSON-safe :meth:`LengthPredictor.state_dict`, which the trainer
+checkpoints so that a resumed run schedules as the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import numbers
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +43,8 @@ from tailcut.types import Sample, Status
 
 _MIN_TOKENS = 1.0
 _SQRT2 = math.sqrt(2.0)
+STATE_VERSION = 1
+"""The layout of :meth:`LengthPredictor.state_dict` (a checkpoint holds it)."""
 
 
 def _phi_upper(z: float) -> float:
@@ -77,6 +84,14 @@ class _Moments:
     def var(self) -> float:
         return self.m2 / (self.n - 1) if self.n > 1 else 0.0
 
+    def state(self) -> list[float]:
+        return [self.n, self.mean, self.m2]
+
+    @classmethod
+    def of(cls, state: Sequence[float]) -> _Moments:
+        n, mean, m2 = state
+        return cls(int(n), float(mean), float(m2))
+
 
 class _Fit:
     """Running least squares of ``y`` on ``(1, x1, x2)`` (normal equations)."""
@@ -107,6 +122,17 @@ class _Fit:
             self._beta = beta
         return self._beta, self._sigma
 
+    def state(self) -> dict[str, Any]:
+        return {"xtx": self.xtx.tolist(), "xty": self.xty.tolist(), "yy": self.yy, "n": self.n}
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> _Fit:
+        fit = cls()
+        fit.xtx = np.array(state["xtx"], dtype=np.float64)
+        fit.xty = np.array(state["xty"], dtype=np.float64)
+        fit.yy, fit.n = float(state["yy"]), int(state["n"])
+        return fit
+
 
 MIN_FIT_POINTS = 30
 """Finished trajectories a progress fit needs before it is used."""
@@ -116,11 +142,24 @@ MAX_FIT_TURN = 4
 
 def prompt_key(sample: Sample) -> object:
     """A prompt's identity across steps: the data row's ``prompt_id`` if it has one, else
-    its prompt tokens (the same prompt text tokenizes the same)."""
+    a digest of its prompt tokens (the same prompt text tokenizes the same; a digest keeps
+    the history, and the state that carries it, small whatever the prompts' length)."""
     key = sample.data.get("prompt_id")
     if key is not None:
         return key
-    return ("ids", sample.prompt_ids.tobytes())
+    return ("ids", hashlib.blake2b(sample.prompt_ids.tobytes(), digest_size=16).digest())
+
+
+def _json_key(key: object) -> object:
+    """A :func:`prompt_key` as JSON: a digest of prompt tokens as hex, a row's id as it is."""
+    if isinstance(key, tuple):
+        return {"ids": key[1].hex()}
+    return int(key) if isinstance(key, numbers.Integral) else key
+
+
+def _key_of(raw: object) -> object:
+    """The :func:`prompt_key` that :func:`_json_key` wrote as ``raw``."""
+    return ("ids", bytes.fromhex(raw["ids"])) if isinstance(raw, dict) else raw
 
 
 @dataclass
@@ -217,6 +256,37 @@ class LengthPredictor:
             beta, sigma = solved
             mu = float(beta[0] + beta[1] * math.log(tokens_so_far) + beta[2] * mu)
         return conditional_mean(mu, sigma, float(tokens_so_far)) - tokens_so_far
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What it has learned, JSON-safe (for prompt ids that are strings or integers):
+        the moments, each prompt's history, the epoch pairs, the progress fits. Between
+        steps: a step's launches and finished siblings are not in it."""
+        return {
+            "version": STATE_VERSION,
+            "global": self._global.state(),
+            "within": self._within.state(),
+            "group_means": self._group_means.state(),
+            "history": [[_json_key(k), m.state()] for k, m in self._history.items()],
+            "pairs": [list(p) for p in self._pairs],
+            "fits": [[j, f.state()] for j, f in self._fits.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`; one of another layout raises ``ValueError``."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"length predictor state of version {state.get('version')!r}; "
+                f"this tailcut reads version {STATE_VERSION}"
+            )
+        self._global = _Moments.of(state["global"])
+        self._within = _Moments.of(state["within"])
+        self._group_means = _Moments.of(state["group_means"])
+        self._history = {_key_of(k): _Moments.of(m) for k, m in state["history"]}
+        self._pairs = deque((float(a), float(b)) for a, b in state["pairs"])
+        self._fits = {int(j): _Fit.of(f) for j, f in state["fits"]}
+        self._history_weight = self._measure_history_weight()
 
     # ------------------------------------------------------------------ a step
 

@@ -3,8 +3,9 @@ fn it drives per sample, the options it runs with, the result it gives back."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tailcut.config import ScheduleConfig
 from tailcut.engine.base import Engine, EngineStats
@@ -39,6 +40,9 @@ class StepOptions:
     schedule: ScheduleConfig | None = None
     """Length-aware admission of engine calls (``rollout/admission.py``); None or fifo:
     every call goes in as it comes."""
+    predictor_states: tuple[Mapping[str, Any] | None, ...] = ()
+    """A resumed run: worker ``r``'s length predictor starts from entry ``r`` (a
+    ``StepResult.predictor_states`` saved before; missing or None: afresh)."""
 
 
 DEFAULT_STEP_OPTIONS = StepOptions()
@@ -69,6 +73,9 @@ class StepResult:
     """Relaunches of failed samples within the step (``rollout.max_retries``)."""
     recovered: int = 0
     """Samples that failed at least once and then ended otherwise (refilled)."""
+    predictor_states: list[dict[str, Any] | None] = field(default_factory=list)
+    """Each worker's length predictor (``LengthPredictor.state_dict``) after the step, by
+    worker; None: no length-aware schedule, or the worker was lost."""
 
     @property
     def failed_before_refill(self) -> int:

@@ -23,7 +23,9 @@ seeds the caller gave them), so its results merge back without renumbering.
 A caller that owns its policy (the trainer: learned state in checkpoints, uncut audit
 steps, resumed partial trajectories) plans with :func:`plan_for_policy`: that one policy
 decides the cut over the whole step, so N workers keep the same samples a single worker
-would.
+would. A worker's length predictor (``StepOptions.schedule``) stays in the worker; its state
+comes back with every step (``StepResult.predictor_states``) for the caller's checkpoints,
+and a resumed run's workers start from it (``StepOptions.predictor_states``).
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ import asyncio
 import functools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tailcut.config import CutoffConfig
 from tailcut.engine.base import Engine, EngineStats
 from tailcut.rollout.admission import Admission, make_admission
 from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
+from tailcut.rollout.predict import LengthPredictor
 from tailcut.rollout.scheduler import CutHandle, run_step
 from tailcut.rollout.step import (
     DEFAULT_STEP_OPTIONS,
@@ -153,6 +156,8 @@ class WorkerResult:
     """``time.monotonic()`` when the worker got the cut (None: cut locally or not at all)."""
     policy_state: dict[str, object]
     """The worker policy's learned state after the step (shipped back from remote workers)."""
+    predictor_state: dict[str, Any] | None = None
+    """The worker's length predictor after the step (None: no length-aware schedule)."""
 
 
 class RolloutWorker:
@@ -170,6 +175,9 @@ class RolloutWorker:
         self.admission: Admission | None = None
         """This worker's length-aware gate (``StepOptions.schedule``), kept across steps: its
         predictor learns each prompt's lengths from the steps before."""
+        self.predictor: LengthPredictor | None = None
+        """The gate's predictor, built with it at the first step (a resumed run's from its
+        saved state, ``StepOptions.predictor_states``)."""
         self._run: object = None
         """The token of the step running now (None: none, or one started without one)."""
         self._early: tuple[object, str, float] | None = None
@@ -222,9 +230,12 @@ class RolloutWorker:
         options: StepOptions,
         run: object,
     ) -> WorkerResult:
+        if self.predictor is None and options.schedule is not None:
+            self.predictor = _predictor(options.predictor_states, self.rank)
+            self.admission = make_admission(options.schedule, self.predictor)
         if not samples:
             empty = StepResult([], [], 0.0, None, engine_stats=None)
-            return WorkerResult(self.rank, empty, None, policy.state_dict())
+            return WorkerResult(self.rank, empty, None, policy.state_dict(), self._learned())
         if self.engine is None or self.rollout is None:
             await self.start()
         assert self.engine is not None and self.rollout is not None
@@ -239,8 +250,6 @@ class RolloutWorker:
         if early is not None and run is not None and early[0] == run:
             self.cut_received_at = early[2]
             self.control.cut(early[1])  # applied as the step starts
-        if self.admission is None and options.schedule is not None:
-            self.admission = make_admission(options.schedule)
         loop = asyncio.get_running_loop()
         with self._tracer(step, loop.time) as tracer:
             result = await run_step(
@@ -256,7 +265,12 @@ class RolloutWorker:
                 max_retries=options.max_retries,
                 admission=self.admission,
             )
-        return WorkerResult(self.rank, result, self.cut_received_at, policy.state_dict())
+        return WorkerResult(
+            self.rank, result, self.cut_received_at, policy.state_dict(), self._learned()
+        )
+
+    def _learned(self) -> dict[str, Any] | None:
+        return self.predictor.state_dict() if self.predictor is not None else None
 
     def _tracer(self, step: int, clock: Callable[[], float]) -> Tracer:
         rounds = self._traced[1] + 1 if self._traced[0] == step else 0
@@ -269,6 +283,15 @@ class RolloutWorker:
     async def aclose(self) -> None:
         if self.engine is not None and self.owns_engine:
             await self.engine.aclose()
+
+
+def _predictor(states: Sequence[Mapping[str, Any] | None], rank: int) -> LengthPredictor:
+    """Worker ``rank``'s length predictor: from its saved state if there is one."""
+    predictor = LengthPredictor()
+    state = states[rank] if rank < len(states) else None
+    if state is not None:
+        predictor.load_state_dict(state)
+    return predictor
 
 
 def merge(
@@ -330,6 +353,9 @@ def merge(
         counts=counts,
         retries=sum(r.retries for r in done),
         recovered=sum(r.recovered for r in done),
+        predictor_states=[
+            None if isinstance(ws, BaseException) else ws.predictor_state for ws in steps
+        ],
     )
 
 

@@ -13,7 +13,8 @@ Layout: ``RUN_DIR/checkpoints/step_{k:08d}/`` holding
     reshards N → M) and by one process;
 * ``state.pkl`` — everything else the loop needs to continue exactly: the step, the data
   position and order, RNG states (Python, NumPy, torch CPU and CUDA), the cut-off policy's
-  learned state, the partial-rollout buffer, counters;
+  learned state, the rollout workers' length predictors, the partial-rollout buffer,
+  counters;
 * ``DONE``      — the commit marker, written last by rank 0 once every rank finished: the
   manifest (JSON: the step, the actor's form, every file's relative path, size and
   sha256). A directory without it is not a checkpoint; one whose files do not match it is

@@ -15,7 +15,9 @@ worker would keep, and the trainer seeds each sample by its position in the whol
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tailcut.engine.base import Engine
 from tailcut.rollout.step import RolloutFn, StepOptions
@@ -31,16 +33,18 @@ async def make_workers(
     recipe: WorkerRecipe | None,
     run_dir: Path,
     ranks: Ranks | None = None,
+    predictors: Sequence[Mapping[str, Any] | None] = (),
 ) -> Workers:
     """Started workers for ``cfg.rollout``; the caller closes them (``aclose``). ``recipe``
     (Ray only) builds each worker's engine client and rollout fn in its actor. In a job of
     several ranks, one worker per rank on the rank's own engine, cut globally
-    (``train/rank_workers.py``)."""
+    (``train/rank_workers.py``). ``predictors``: each worker's length predictor to start
+    from (a resumed run's, ``StepOptions.predictor_states``)."""
     r = cfg.rollout
     trace_dir = run_dir / "traces" if cfg.trainer.trace else None
     options = StepOptions(
         cfg.engine.abort_deadline_s, cfg.trainer.step_timeout_s, r.gc_pause, r.max_retries,
-        r.schedule if r.schedule.kind != "fifo" else None,
+        r.schedule if r.schedule.kind != "fifo" else None, tuple(predictors),
     )  # fmt: skip
     if ranks is not None and ranks.distributed:
         from tailcut.train.rank_workers import RankWorkers

@@ -147,6 +147,9 @@ class Trainer:
         self.partial = cfg.cutoff.aborted == "partial"
         self.buffer = PartialBuffer(max_staleness=cfg.cutoff.max_staleness)
         self.policy_state: dict[str, Any] = {}
+        self.predictor_states: list[dict[str, Any] | None] = []
+        """Each rollout worker's length predictor (``rollout.schedule``) as the last round
+        left it: checkpointed, and a resumed run's workers start from it."""
         a = cfg.algo
         first_round = (
             FirstRound(cfg.data.batch_size, (1 + a.max_gen_rounds) * cfg.data.batch_size)
@@ -199,7 +202,7 @@ class Trainer:
         try:
             self.workers = await make_workers(
                 self.cfg, self.setup.engine, self.setup.rollout, self.setup.recipe, self.run_dir,
-                self.ranks,
+                self.ranks, self.predictor_states,
             )  # fmt: skip
             await self._sync_weights()
             if resumed is None and self._val_enabled():
@@ -493,6 +496,7 @@ class Trainer:
         assert self.workers is not None, "run() starts the rollout workers"
         plan = plan_for_policy(run_policy, [s.group for s in samples], self.workers.n_workers)
         result = await self.workers.run_step(step, plan, samples)
+        self.predictor_states = result.predictor_states  # every round teaches them
         if learn and not uncut:  # the policy that ran (a Ray worker's copy comes back)
             self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
         return result
@@ -534,6 +538,7 @@ class Trainer:
             "prompts": self.prompts.state_dict(),
             "next_group": self.next_group,
             "policy": self.policy_state,
+            "predictors": self.predictor_states,
             "partial": self.buffer.state_dict(),
             "budget": self.budget.state_dict(),
             "train_s": self.train_s,
@@ -581,6 +586,7 @@ class Trainer:
         self.prompts.load_state_dict(state["prompts"])
         self.next_group = int(state["next_group"])
         self.policy_state = dict(state["policy"])
+        self.predictor_states = list(state.get("predictors") or [])
         self.buffer.load_state_dict(state["partial"])
         self.budget.load_state_dict(state.get("budget") or {})
         self.train_s = float(state.get("train_s", 0.0))
