@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from tailcut.algo.metrics import audit_bias, estimate_rewards, rollout_metrics, speedup_estimate
+from tailcut.algo.metrics import (
+    audit_bias,
+    carried_work,
+    estimate_rewards,
+    rollout_metrics,
+    speedup_estimate,
+)
+from tailcut.rollout.partial import resume_copy
 from tailcut.types import Sample, Status, Turn
 
 
@@ -55,7 +62,6 @@ class Step:
     samples: list[Sample]
     step_time_s: float = 4.0
     cut_time_s: float | None = None
-    wasted_tokens: int = 0
 
 
 def test_rollout_metrics() -> None:
@@ -64,10 +70,30 @@ def test_rollout_metrics() -> None:
         s(1, 0, Status.ABORTED, None, 2.0),
         s(2, 1, Status.COMPLETED, 0.0, 4.0),
     ]
-    m = rollout_metrics(Step(samples, cut_time_s=2.0, wasted_tokens=5))
+    m = rollout_metrics(Step(samples, cut_time_s=2.0))
     assert m["rollout/aborted_ratio"] == pytest.approx(1 / 3)
+    assert m["rollout/wasted_tokens"] == 5.0 and m["rollout/generated_tokens"] == 15.0
     assert m["rollout/group_complete_frac"] == pytest.approx(0.5)
     assert m["rollout/tool_errors"] == 1.0 and m["rollout/cut_time_s"] == 2.0
     assert "rollout/speedup_est" not in m
     assert "rollout/cut_time_s" not in rollout_metrics(Step(samples))
     assert speedup_estimate(samples, 1, 4.0) == pytest.approx(4.0)
+
+
+def test_a_resumed_trajectory_counts_only_this_steps_work() -> None:
+    """Cut at step 1 after 5 tokens and a tool call; resumed at step 2, it samples 3 more in
+    its open turn and 4 in a new one, and is cut again: the step sampled 7 tokens, all
+    wasted, and made one tool call."""
+    first = s(0, 0, Status.ABORTED, None)
+    again = resume_copy(first, started_step=1)
+    fresh = s(1, 0, Status.COMPLETED, 1.0)
+    carried = carried_work([again, fresh])
+    assert list(carried) == [0]
+    again.turns[0].output_tokens += 3
+    again.turns.append(Turn(1, "q" * 24, 9, output_tokens=4, tool_calls=1, engine_s=0.5))
+    again.status = Status.ABORTED
+    m = rollout_metrics(Step([again, fresh]), carried=carried)
+    assert m["rollout/generated_tokens"] == 7.0 + 5.0  # and the fresh one's 5
+    assert m["rollout/wasted_tokens"] == 7.0
+    assert m["rollout/tool_calls"] == 1.0 + 1.0 and m["rollout/tool_errors"] == 0.0
+    assert m["rollout/engine_s_sum"] == 0.5

@@ -44,9 +44,6 @@ class StepLike(Protocol):
     @property
     def cut_time_s(self) -> float | None: ...
 
-    @property
-    def wasted_tokens(self) -> int: ...
-
 
 def _mean(xs: Sequence[float]) -> float:
     return math.fsum(xs) / len(xs) if xs else 0.0
@@ -118,11 +115,57 @@ def audit_bias(samples: Sequence[Sample], n_keep: int) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a trajectory's turns add up to: sampled tokens, tool calls and errors, engine
+    and tool seconds."""
+
+    tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    engine_s: float = 0.0
+    tool_s: float = 0.0
+
+    @classmethod
+    def of(cls, s: Sample) -> Work:
+        return cls(
+            s.generated_tokens,
+            sum(t.tool_calls for t in s.turns),
+            sum(t.tool_errors for t in s.turns),
+            math.fsum(t.engine_s for t in s.turns),
+            math.fsum(t.tool_s for t in s.turns),
+        )
+
+    def __sub__(self, other: Work) -> Work:
+        return Work(
+            self.tokens - other.tokens, self.tool_calls - other.tool_calls,
+            self.tool_errors - other.tool_errors, self.engine_s - other.engine_s,
+            self.tool_s - other.tool_s,
+        )  # fmt: skip
+
+
+NO_WORK = Work()
+
+
+def carried_work(samples: Sequence[Sample]) -> dict[int, Work]:
+    """The work resumed trajectories bring into a step (done in earlier steps), by index:
+    taken at launch, so that the step's figures count only its own."""
+    return {s.index: Work.of(s) for s in samples if s.resumed_from_step is not None}
+
+
+def rollout_metrics(
+    step: StepLike, n_keep_audit: int | None = None, carried: Mapping[int, Work] | None = None
+) -> dict[str, float]:
     """Rollout figures of one step (see the trainer's metric list), its three training-reward
     estimates, and on an audit step (``n_keep_audit``: what the policy would have kept) the
-    estimated speed-up and each estimator's bias."""
+    estimated speed-up and each estimator's bias. ``carried``: the work resumed trajectories
+    had done before the step (:func:`carried_work`), left out of its tokens, tool calls and
+    seconds; ``rollout/wasted_tokens`` is what the step sampled for the trajectories it cut
+    (resumed later under ``cutoff.aborted=partial``, unless they expire:
+    ``partial/expired_tokens``)."""
     samples = step.samples
+    carried = carried or {}
+    work = [Work.of(s) - carried.get(s.index, NO_WORK) for s in samples]
     n = len(samples)
     status_count = dict.fromkeys(Status, 0)
     for s in samples:
@@ -133,8 +176,9 @@ def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str
     complete_groups = sum(all(m.status in FINISHED for m in g) for g in groups.values())
     member_frac = _mean([sum(m.status in FINISHED for m in g) / len(g) for g in groups.values()])
     turns = [len(s.turns) for s in samples if s.status in FINISHED]
-    engine_s = math.fsum(t.engine_s for s in samples for t in s.turns)
-    tool_s = math.fsum(t.tool_s for s in samples for t in s.turns)
+    engine_s = math.fsum(w.engine_s for w in work)
+    tool_s = math.fsum(w.tool_s for w in work)
+    wasted = sum(w.tokens for s, w in zip(samples, work, strict=True) if s.status is Status.ABORTED)
     out = {
         "rollout/launched": float(n),
         "rollout/completed": float(status_count[Status.COMPLETED]),
@@ -142,14 +186,14 @@ def rollout_metrics(step: StepLike, n_keep_audit: int | None = None) -> dict[str
         "rollout/aborted": float(status_count[Status.ABORTED]),
         "rollout/failed": float(status_count[Status.FAILED]),
         "rollout/aborted_ratio": status_count[Status.ABORTED] / n if n else 0.0,
-        "rollout/wasted_tokens": float(step.wasted_tokens),
+        "rollout/wasted_tokens": float(wasted),
         "rollout/step_time_s": step.step_time_s,
         "rollout/group_complete_frac": complete_groups / len(groups) if groups else 0.0,
         "rollout/group_member_frac": member_frac,
         "rollout/turns_mean": _mean(turns),
-        "rollout/tool_calls": float(sum(t.tool_calls for s in samples for t in s.turns)),
-        "rollout/tool_errors": float(sum(t.tool_errors for s in samples for t in s.turns)),
-        "rollout/generated_tokens": float(sum(s.generated_tokens for s in samples)),
+        "rollout/tool_calls": float(sum(w.tool_calls for w in work)),
+        "rollout/tool_errors": float(sum(w.tool_errors for w in work)),
+        "rollout/generated_tokens": float(sum(w.tokens for w in work)),
         "rollout/engine_s_sum": engine_s,
         "rollout/tool_s_sum": tool_s,
         "rollout/generation_share": engine_s / (engine_s + tool_s) if engine_s + tool_s else 0.0,

@@ -48,6 +48,7 @@ from tailcut.algo.filter import (
 )
 from tailcut.algo.metrics import (
     batch_metrics,
+    carried_work,
     failure_summary,
     filter_metrics,
     partial_metrics,
@@ -270,8 +271,10 @@ class Trainer:
             samples = self._launch(step, again, len(again), lr.prompts)
         else:
             samples = self._launch(step, taken.resumed, policy.n_launch)
+        carried = carried_work(samples)  # resumed trajectories' earlier steps' work
         result = await self._rollout(step, samples, policy, uncut=audit or long_round)
-        metrics = rollout_metrics(result, policy.would_keep(result.samples) if audit else None)
+        keep = policy.would_keep(result.samples) if audit else None
+        metrics = rollout_metrics(result, keep, carried)
         metrics["rollout/audit"] = float(audit)
         metrics["long/round"] = float(long_round)
         if audit:
