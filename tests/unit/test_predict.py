@@ -4,7 +4,7 @@ import math
 import pytest
 
 from tailcut.rollout.predict import LengthPredictor, conditional_mean, prompt_key, ranks, spearman
-from tailcut.types import Sample, Status, Turn
+from tailcut.types import Sample, Status, Turn, token_array
 
 
 def _sample(index: int, group: int, tokens: int, status: Status, prompt: int) -> Sample:
@@ -53,6 +53,31 @@ def test_history_of_a_prompt_ranks_its_next_epoch():
     samples = [Sample(index=i, group=p, data={"prompt_id": p}) for i, p in enumerate(lengths)]
     pred.start_step(samples)
     preds = [pred.remaining(i) for i in range(len(samples))]
+    assert spearman(preds, list(lengths.values())) == 1.0
+
+
+def test_a_rows_history_is_found_at_launch_before_its_prompt_is_rendered():
+    """Training rows carry their prompt as messages; the agent loop renders the tokens only
+    once the trajectory runs. Learned from finished members (tokens rendered), a prompt's
+    history must be found for its fresh members at the next launch (no tokens yet)."""
+
+    def row(p: int) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": f"question {p}"}]}
+
+    pred = LengthPredictor()
+    lengths = {p: 100 * (1 + p) for p in range(12)}
+    for _ in range(2):
+        done = []
+        for p, n in lengths.items():
+            for m in range(8):
+                s = _sample(len(done), p, int(n * (0.9 + 0.2 * m / 7)), Status.COMPLETED, p)
+                s.data = row(p)
+                s.prompt_ids = token_array([7, p, p + 1])  # rendered by the agent loop
+                done.append(s)
+        pred.end_step(done)
+    fresh = [Sample(index=i, group=p, data=row(p)) for i, p in enumerate(lengths)]
+    pred.start_step(fresh)
+    preds = [pred.remaining(i) for i in range(len(fresh))]
     assert spearman(preds, list(lengths.values())) == 1.0
 
 

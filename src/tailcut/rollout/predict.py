@@ -30,6 +30,7 @@ checkpoints so that a resumed run schedules as the uninterrupted one.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import numbers
 from collections import deque
@@ -141,12 +142,18 @@ MAX_FIT_TURN = 4
 
 
 def prompt_key(sample: Sample) -> object:
-    """A prompt's identity across steps: the data row's ``prompt_id`` if it has one, else
-    a digest of its prompt tokens (the same prompt text tokenizes the same; a digest keeps
-    the history, and the state that carries it, small whatever the prompts' length)."""
+    """A prompt's identity across steps, known at launch: the data row's ``prompt_id`` if
+    it has one, else a digest of its prompt messages (``messages`` or verl's ``prompt``:
+    the agent loop renders its prompt tokens from them only once the trajectory runs), else
+    of its prompt tokens. A digest keeps the history, and the state that carries it, small
+    whatever the prompts' length."""
     key = sample.data.get("prompt_id")
     if key is not None:
         return key
+    messages = sample.data.get("messages", sample.data.get("prompt"))
+    if messages is not None:
+        text = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
+        return ("ids", hashlib.blake2b(text.encode(), digest_size=16).digest())
     return ("ids", hashlib.blake2b(sample.prompt_ids.tobytes(), digest_size=16).digest())
 
 
