@@ -5,6 +5,7 @@ real corruption, bad bytes and unwritable outputs as one-line errors that change
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,26 @@ def test_the_loader_logs_warnings_by_default(tmp_path, caplog):
 def test_loader_errors_are_trace_errors(tmp_path):
     with pytest.raises(TraceError, match="no such file or directory"):
         load_run(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("duration_sec", math.nan, "field 'duration_sec' missing or not a finite number"),
+        ("duration_sec", math.inf, "field 'duration_sec' missing or not a finite number"),
+        ("duration_sec", -math.inf, "field 'duration_sec' missing or not a finite number"),
+        ("duration_sec", True, "field 'duration_sec' missing or not a finite number"),
+        ("step", True, "field 'step' missing or not an int"),
+    ],
+)
+def test_a_non_finite_or_bool_number_is_an_error_naming_the_line(tmp_path, key, value, message):
+    run = _run_dir(tmp_path)
+    path = run / "traces" / "step_1" / "worker_0.jsonl"
+    lines = path.read_text().splitlines()
+    lines[-1] = json.dumps(json.loads(lines[-1]) | {key: value})  # total_step_duration
+    path.write_text("\n".join(lines) + "\n")
+    for args in (["report", str(run)], ["replay", str(run)]):
+        _one_line_error(_invoke(*args), f"{path}:{len(lines)}: {message}")
 
 
 # --- the Perfetto output -----------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fakes.reference_trace import write_reference_step
+from fakes.trace_script import Req, write_step
 from tailcut.app.cli import app
 from tailcut.app.commands.replay import run_replay
 from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, run_sim_bench
@@ -152,6 +153,36 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert result.stderr.count("\n") == 1
     result = _invoke(str(tmp_path), "--policy", "fastest")
     assert result.exit_code == 1 and "unknown policy fastest" in result.stderr
+
+
+def test_a_global_cut_is_replayed_at_what_it_kept(tmp_path):
+    # scope global: the coordinator cut both workers at 2 s; each traced its own never-cutting
+    # policy's target (all it launched), so the traced target alone says F = 1
+    for worker, done in ((0, 3), (1, 1)):
+        reqs = [Req(end=1.0 + 0.2 * k, turns=[(0.0, 0.5 + 0.2 * k, None)]) for k in range(done)]
+        reqs += [Req(end=2.0, status="aborted", turns=[(0.0, 9.0, None)])] * (4 - done)
+        write_step(tmp_path, 1, reqs, step_end=2.0, cut=2.0, worker=worker)
+    (step,) = plan_replay(load_run(tmp_path)).steps
+    assert step.cut and len(step.requests) == 8 and step.target == 4
+    result = _invoke(str(tmp_path), "--policy", "target-count", "--warmup-steps", "0", "--json")
+    assert result.exit_code == 0, result.output
+    (played,) = json.loads(result.stdout)["bench"]["steps"]
+    assert (played["launched"], played["kept"]) == (8, 4)
+
+
+def test_a_step_without_requests_is_skipped_with_a_warning(tmp_path):
+    reqs = [Req(end=1.0 + k, turns=[(0.0, 0.5 + k, None)]) for k in range(3)]
+    write_step(tmp_path, 1, reqs, step_end=3.0)
+    empty = write_step(tmp_path, 2, [], step_end=1.0).parent  # only step-level events
+    result = _invoke(str(tmp_path), "--policy", "wait-all", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["replay"]["steps"] == [1]
+    assert result.stderr == (
+        f"warning: {empty}: skipped a step with no recorded requests (only step-level events)\n"
+    )
+    result = _invoke(str(empty))
+    assert result.exit_code == 1 and result.stderr.count("\n") == 2
+    assert result.stderr.endswith(f"error: {empty}: no recorded requests to replay\n")
 
 
 def test_the_table_says_what_is_unknown(traces):

@@ -18,6 +18,7 @@ from tailcut.rollout.scheduler import run_step
 from tailcut.trace.events import Tracer
 from tailcut.trace.load import TraceError, load_run
 from tailcut.trace.report import analyse_run, percentile, plot_cdf
+from tailcut.trace.run_report import summarise
 from tailcut.types import Sample
 from tailcut.vtime import run_virtual
 
@@ -89,6 +90,19 @@ def test_workers_are_pooled_and_each_policy_is_reported(tmp_path):
     assert reports[1].cut_time_s is None and reports[1].cut_reason is None
     assert reports[2].turn_mix == {2: 1.0}
     assert reports[2].durations_s["max"] == pytest.approx(3.0, abs=US)
+
+
+def test_abort_to_idle_is_per_worker_cut_not_across_workers(tmp_path):
+    # scope worker: worker 0 cuts at 2 s and is idle 0.25 s later; worker 1 cuts at 5 s and
+    # its aborts end with the cut. Not 5 - 2 s: the first cut to the last abort anywhere.
+    for worker, cut, idle in ((0, 2.0, 0.25), (1, 5.0, 0.0)):
+        reqs = [Req(end=1.0, turns=_turns(1, 1.0)), Req(end=cut + idle, status="aborted")]
+        write_step(tmp_path, 0, reqs, step_end=cut + idle, cut=cut, worker=worker)
+    [r] = analyse_run(tmp_path)
+    assert r.cut_time_s == pytest.approx(2.0, abs=US)
+    assert r.abort_to_idle_s == pytest.approx(0.25, abs=US)
+    [run] = summarise([r])
+    assert run.max_abort_to_idle_s == run.mean_abort_to_idle_s == r.abort_to_idle_s
 
 
 def test_report_agrees_with_the_scheduler_step_result(tmp_path):

@@ -17,6 +17,8 @@ from fakes.trace_script import Req, write_step
 from tailcut.app.cli import app
 from tailcut.trace import events
 from tailcut.trace.load import discover, file_round, load_run
+from tailcut.trace.perfetto import to_chrome_trace
+from tailcut.trace.report import analyse_step
 
 WALL = time.time()
 
@@ -111,6 +113,18 @@ def test_report_counts_the_extra_rounds_requests(tmp_path: Path) -> None:
     assert step["cut_time_s"] == pytest.approx(3.0, abs=1e-3)
 
 
+def test_abort_to_idle_measures_each_round_from_its_own_cut(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    (step,) = load_run(run)
+    # round 0: cut at 3 s, its abort ends at 3.5 s
+    assert analyse_step(step).abort_to_idle_s == pytest.approx(0.5, abs=1e-3)
+    late = [Req(end=0.5, turns=[(0.0, 0.4, None)]), Req(end=1.8, status="aborted")]
+    _write_round(run, tmp_path, 0, 1, late, step_end=1.8, cut=1.0)
+    (step,) = load_run(run)
+    # round 1 aborts until 0.8 s after its own cut (at 11 s), not 8.3 s after round 0's
+    assert analyse_step(step).abort_to_idle_s == pytest.approx(0.8, abs=1e-3)
+
+
 def test_perfetto_draws_every_rounds_requests(tmp_path: Path) -> None:
     run = _run(tmp_path)
     out = tmp_path / "trace.json"
@@ -125,3 +139,16 @@ def test_perfetto_draws_every_rounds_requests(tmp_path: Path) -> None:
         "req-000000.round1", "req-000000.round2", "req-000001.round1",
     ]  # fmt: skip
     assert len(tracks) == 9  # one track per request: 6 of round 0, 3 of the later rounds
+
+
+def test_perfetto_places_a_later_rounds_cut_from_that_rounds_start(tmp_path: Path) -> None:
+    (step,) = load_run(_run(tmp_path))
+    evs = to_chrome_trace([step])["traceEvents"]
+    cuts = sorted(e["ts"] / 1e6 for e in evs if e["ph"] == "i")
+    assert cuts == pytest.approx([3.0, 11.0], abs=1e-3)  # round 1: 1 s after its 10 s start
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if e["name"] == "rollout")
+    # worker 1's round 0 (uncut, to 2.5 s), worker 0's rounds 0, 1 (cut) and 2 (uncut)
+    expected = [(0.0, 2.5), (0.0, 3.0), (10.0, 11.0), (20.0, 20.7)]
+    assert [t / 1e6 for s in spans for t in s] == pytest.approx(
+        [t for s in expected for t in s], abs=1e-3
+    )

@@ -161,11 +161,11 @@ def _x(s: _Slice, pid: int, tid: int) -> dict[str, Any]:
 
 def _step_track(step: StepTrace, worker: int, pid: int, tid: int, us: _Us) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    w0 = step.worker_start(worker)
     inferred = step.inferred_cuts
     for e in step.step_events:
         if e.worker != worker:
             continue
+        w0 = step.worker_start(worker, e.round)  # a round's cut counts from that round's start
         begin = w0 if e.kind in _FROM_STEP_START else e.start
         if e.kind is EventKind.CUTOFF or e in inferred:
             out.append(

@@ -66,7 +66,8 @@ class RecordedStep:
     requests: list[Request]
     cut: bool
     target: int | None
-    """``target_completion`` of the step's monitoring events (summed over workers)."""
+    """The completions the step waited for: its monitoring events' ``target_completion``,
+    summed; on a cut step where that is not below its launches, the requests it kept."""
 
 
 @dataclass(slots=True)
@@ -197,13 +198,22 @@ def _group(req: RequestTrace, position: int) -> int:
 
 
 def _target(step: StepTrace) -> int | None:
+    """The completions the step waited for: ``target_completion`` of its monitoring events,
+    summed over workers and rounds. On a cut step whose traced target is not below what it
+    launched, it is what the step kept (its finished requests): under cut-off scope global
+    each worker traces the target of its own never-cutting policy (all it launched) while
+    the coordinator's policy cut the step."""
     targets = [
         e.extra.get("target_completion")
         for e in step.step_events
         if e.kind is EventKind.STEP_MONITORING
     ]
     ints = [t for t in targets if isinstance(t, int)]
-    return sum(ints) if ints else None
+    if not ints:
+        return None
+    if step.cut_time is not None and sum(ints) >= len(step.requests):
+        return sum(r.status in FINISHED for r in step.requests)
+    return sum(ints)
 
 
 def plan_replay(steps: Sequence[StepTrace]) -> ReplayPlan:

@@ -4,10 +4,10 @@ For each step (and each policy of a benchmark directory): request counts by term
 the step time and the cut time, percentiles of the finished requests' durations (launch to
 completion), the share of launched requests finished by 40% and 50% of the step time, the turn
 mix and mean duration by number of turns, the wasted tokens (output tokens of aborted
-requests), abort-to-idle (cut to the last aborted request's end, on the trace's clock) and
-the tail (step time after 80% of the launched requests had finished). Rendered as rich
-tables, as JSON, and as a completion-CDF plot with the cut marked; over a run's steps, see
-:mod:`tailcut.trace.run_report`.
+requests), abort-to-idle (the longest, over the cut worker files, from a file's cut to the end
+of its last aborted request, on the trace's clock) and the tail (step time after 80% of the
+launched requests had finished). Rendered as rich tables, as JSON, and as a completion-CDF
+plot with the cut marked; over a run's steps, see :mod:`tailcut.trace.run_report`.
 
 "Finished" means completed or truncated (a real sample); aborted and failed requests have no
 completion time.
@@ -69,7 +69,8 @@ class StepReport:
     finished_tokens: int
     """Output tokens of finished requests (what the step kept, before any selection)."""
     abort_to_idle_s: float | None
-    """Cut to the end of the last aborted request (None: nothing aborted after a cut)."""
+    """The longest wait from a cut to the end of the last request it aborted (see
+    :func:`abort_to_idle`; None: nothing aborted after a cut)."""
     tail_s: float | None
     """Step time after ``TAIL_DONE`` of the launched requests had finished (None: they never
     did, or the trace counts no requests)."""
@@ -84,6 +85,22 @@ class StepReport:
             str(k): v for k, v in self.mean_duration_by_turns_s.items()
         }
         return out
+
+
+def abort_to_idle(step: StepTrace) -> float | None:
+    """The longest, over the step's cut (worker, launch round) files, from the file's cut to
+    the end of its last aborted request; None when no cut file aborted anything. Per file, so
+    that workers cutting at different times (scope worker) and later rounds do not add up."""
+    idles = []
+    for cut in step.cuts or step.inferred_cuts:
+        ends = [
+            r.end
+            for r in step.requests
+            if (r.worker, r.round) == (cut.worker, cut.round) and r.status == "aborted"
+        ]
+        if ends:
+            idles.append(max(max(ends) - step.start - step.cut_offset(cut), 0.0))
+    return max(idles, default=None)
 
 
 def analyse_step(step: StepTrace) -> StepReport:
@@ -104,8 +121,6 @@ def analyse_step(step: StepTrace) -> StepReport:
     for r, d in zip(finished, durations, strict=True):
         by_turns[r.turns].append(d)
     cuts = sorted(step.cuts or step.inferred_cuts, key=step.cut_offset)
-    aborted = [r.end - step.start for r in step.requests if r.status == "aborted"]
-    cut = step.cut_time
     need = math.ceil(TAIL_DONE * total - eps) if total else 0
     tail = None if not need or len(done_at) < need else max(st - done_at[need - 1], 0.0)
     return StepReport(
@@ -129,7 +144,7 @@ def analyse_step(step: StepTrace) -> StepReport:
         mean_duration_by_turns_s={k: sum(v) / len(v) for k, v in sorted(by_turns.items())},
         wasted_tokens=sum(r.output_tokens for r in step.requests if r.status == "aborted"),
         finished_tokens=sum(r.output_tokens for r in finished),
-        abort_to_idle_s=None if cut is None or not aborted else max(max(aborted) - cut, 0.0),
+        abort_to_idle_s=abort_to_idle(step),
         tail_s=tail,
         completion_times_s=done_at,
     )

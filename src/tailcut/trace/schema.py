@@ -8,6 +8,7 @@ profiler's (int ``workid``, no marker, few extras, event kinds tailcut does not 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
@@ -66,9 +67,15 @@ def _check_common(record: Mapping[str, Any], where: str, workid: type) -> None:
     wid = record.get("workid")
     if not isinstance(wid, workid) or isinstance(wid, bool):
         raise TraceSchemaError(f"{where}: field 'workid' missing or not {workid.__name__}")
-    if not isinstance(record.get("duration_sec"), int | float):
-        raise TraceSchemaError(f"{where}: field 'duration_sec' missing or not a number")
-    if not isinstance(record.get("step"), int):
+    duration = record.get("duration_sec")
+    if (
+        not isinstance(duration, int | float)
+        or isinstance(duration, bool)
+        or not math.isfinite(duration)  # json reads NaN and Infinity
+    ):
+        raise TraceSchemaError(f"{where}: field 'duration_sec' missing or not a finite number")
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
         raise TraceSchemaError(f"{where}: field 'step' missing or not an int")
     datetime.fromisoformat(record["timestamp"])
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tailcut.bench.workloads import Trajectory
     from tailcut.config import SimEngineConfig
     from tailcut.trace.calibrate import DecodeFit
+    from tailcut.trace.load import StepTrace
     from tailcut.trace.replay import ReplayPlan
 
 DEFAULT_FRACTION = 0.9
@@ -184,6 +185,31 @@ def _render_summary(info: dict[str, Any], report: BenchReport) -> None:
     render(report)
 
 
+def _recorded_steps(trace_dir: Path, run: str | None) -> list[StepTrace]:
+    """The steps of the one run to replay that recorded requests; a step with none (only
+    step-level events) is skipped with a warning."""
+    from tailcut.trace.load import TraceError, load_run
+
+    try:
+        steps = load_run(trace_dir, _warn)
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    groups = sorted({s.group for s in steps})
+    if run is not None:
+        steps = [s for s in steps if s.group == run]
+        if not steps:
+            raise _fail(f"{trace_dir}: no run {run!r} in it (runs: {', '.join(groups)})")
+    elif len(groups) > 1:
+        raise _fail(f"{trace_dir}: holds {len(groups)} runs ({', '.join(groups)}); pick one: --run")
+    for s in steps:
+        if not s.requests:
+            _warn(f"{s.path}: skipped a step with no recorded requests (only step-level events)")
+    steps = [s for s in steps if s.requests]
+    if not steps:
+        raise _fail(f"{trace_dir}: no recorded requests to replay")
+    return steps
+
+
 def replay(
     trace_dir: Annotated[Path, typer.Argument(help=TRACE_HELP)],
     policy: Annotated[
@@ -210,23 +236,12 @@ def replay(
 ) -> None:
     """What-if: play the recorded steps under every cut-off policy on a calibrated simulator."""
     from tailcut.trace.calibrate import fit_decode
-    from tailcut.trace.load import TraceError, load_run
     from tailcut.trace.replay import plan_replay
 
     unknown = sorted(set(policy or ()) - set(POLICIES))
     if unknown:
         raise _fail(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
-    try:
-        steps = load_run(trace_dir, _warn)
-    except TraceError as exc:
-        raise _fail(str(exc)) from None
-    groups = sorted({s.group for s in steps})
-    if run is not None:
-        steps = [s for s in steps if s.group == run]
-        if not steps:
-            raise _fail(f"{trace_dir}: no run {run!r} in it (runs: {', '.join(groups)})")
-    elif len(groups) > 1:
-        raise _fail(f"{trace_dir}: holds {len(groups)} runs ({', '.join(groups)}); pick one: --run")
+    steps = _recorded_steps(trace_dir, run)
     plan = plan_replay(steps)
     fit = fit_decode(steps) if plan.mode == "tokens" else None
     report = run_replay(
