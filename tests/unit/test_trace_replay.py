@@ -193,3 +193,12 @@ def test_the_table_says_what_is_unknown(traces):
     assert "aborted requests end where they were cut" in result.stdout
     assert "unknown: the rest of" in result.stdout and "engine fitted to" in result.stdout
     assert "target-count" in result.stdout and "step_time_s" in result.stdout
+
+
+def test_a_fraction_over_provision_cannot_launch_is_an_error_not_a_traceback(traces):
+    res = _invoke(str(traces / "target-count"), "--target-fraction", "0.1")
+    assert res.exit_code != 0 and isinstance(res.exception, SystemExit | None), res.exception
+    assert "F=0.1" in res.output and "--target-fraction" in res.output
+    ok = _invoke(str(traces / "target-count"), "--target-fraction", "0.1", "--policy",
+                 "target-count", "--json")  # fmt: skip
+    assert ok.exit_code == 0, ok.output

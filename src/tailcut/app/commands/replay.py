@@ -244,15 +244,18 @@ def replay(
     steps = _recorded_steps(trace_dir, run)
     plan = plan_replay(steps)
     fit = fit_decode(steps) if plan.mode == "tokens" else None
-    report = run_replay(
-        plan,
-        fit,
-        policies=tuple(policy or POLICIES),
-        requests=requests,
-        target_fraction=target_fraction,
-        group_size=group_size,
-        warmup_steps=warmup_steps,
-    )
+    try:
+        report = run_replay(
+            plan,
+            fit,
+            policies=tuple(policy or POLICIES),
+            requests=requests,
+            target_fraction=target_fraction,
+            group_size=group_size,
+            warmup_steps=warmup_steps,
+        )
+    except ValueError as exc:  # a policy the fraction cannot configure (over-provision)
+        raise _fail(str(exc)) from None
     info = summary(plan, fit, report)
     if as_json:
         payload = {"trace_dir": str(trace_dir), "replay": info, "bench": report.to_json()}
