@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,9 @@ def _cut_step(tokenizer: object, script: object) -> tuple[object, list[Sample]]:
     return engine, result.samples
 
 
-def _run_resumed(tokenizer: object, script: object, sample: Sample, version: int) -> object:
+def _run_resumed(
+    tokenizer: object, script: object, sample: Sample, version: int, tracer: object = None
+) -> object:
     from fakes.scripted_engine import ScriptedEngine
     from tailcut.rollout.cutoff import WaitAll
     from tailcut.rollout.resume import ResumableAgentLoop
@@ -132,12 +135,15 @@ def _run_resumed(tokenizer: object, script: object, sample: Sample, version: int
 
     engine = ScriptedEngine(tokenizer, script, token_delay_s=0.01, weight_version=version)  # type: ignore[arg-type]
     loop = ResumableAgentLoop(tokenizer, reward_fn=lambda s, t: 1.0)  # type: ignore[arg-type]
-    run_virtual(run_step(engine, [sample], loop, WaitAll(1), NULL_TRACER))
+    run_virtual(run_step(engine, [sample], loop, WaitAll(1), tracer or NULL_TRACER))  # type: ignore[arg-type]
     return engine
 
 
-def test_resume_mid_generation_continues_from_prompt_plus_tokens(chat_tokenizer: object) -> None:
+def test_resume_mid_generation_continues_from_prompt_plus_tokens(
+    chat_tokenizer: object, tmp_path: Path
+) -> None:
     from fakes.scripted_engine import ramble
+    from tailcut.trace.events import Tracer, read_trace
 
     def script(call: object) -> str:
         return "#### 1" if "short" in call.prompt_text else ramble(40)  # type: ignore[attr-defined]
@@ -150,9 +156,14 @@ def test_resume_mid_generation_continues_from_prompt_plus_tokens(chat_tokenizer:
     buf.add([cut], step=1)
     resumed = buf.take(step=2).resumed[0]
     resumed.index = 0
-    engine = _run_resumed(chat_tokenizer, script, resumed, version=4)
+    with Tracer(tmp_path / "trace.jsonl", step=2) as tracer:
+        engine = _run_resumed(chat_tokenizer, script, resumed, version=4, tracer=tracer)
     assert resumed.status is Status.COMPLETED and resumed.reward == 1.0
     n = len(partial_ids)
+    call = next(e for e in read_trace(tmp_path / "trace.jsonl") if e["event"] == "turn_engine_call")
+    # The turn's tokens so far, and what this call decoded after the n it continued from.
+    assert call["extra"]["output_tokens"] == n + call["extra"]["new_tokens"]
+    assert call["extra"]["new_tokens"] == len(resumed.response_ids) - n
     assert list(resumed.response_ids[:n]) == partial_ids
     assert list(resumed.versions[:n]) == partial_versions
     assert set(resumed.versions[n:]) == {4} and len(resumed.response_ids) > n

@@ -202,3 +202,28 @@ def test_a_fraction_over_provision_cannot_launch_is_an_error_not_a_traceback(tra
     ok = _invoke(str(traces / "target-count"), "--target-fraction", "0.1", "--policy",
                  "target-count", "--json")  # fmt: skip
     assert ok.exit_code == 0, ok.output
+
+
+def test_the_fit_counts_what_a_continued_turns_call_decoded(traces, tmp_path):
+    """A call that continues a turn an earlier step's cut left open decodes only its
+    ``new_tokens``; its ``output_tokens`` are the turn's so far. Every call of the recorded
+    run rewritten as such a continuation (40 tokens carried), the fit is the same engine."""
+    src = traces / "wide" / "wait-all"
+    dst = tmp_path / "continued"
+    shutil.copytree(src, dst)
+    for path in dst.rglob("*.jsonl"):
+        lines = []
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["event"] == "turn_engine_call":
+                x = rec["extra"]
+                x["new_tokens"] = x["output_tokens"]
+                x["output_tokens"] += 40
+                x["prompt_tokens"] -= min(40, x["prompt_tokens"])
+            lines.append(json.dumps(rec))
+        path.write_text("\n".join(lines) + "\n")
+    want = fit_decode(load_run(src))
+    fit = fit_decode(load_run(dst))
+    assert want is not None and fit is not None and fit.r2 > 0.99
+    assert fit.decode_a_s == pytest.approx(want.decode_a_s, rel=0.02)
+    assert fit.decode_c_s == pytest.approx(want.decode_c_s, rel=0.02)

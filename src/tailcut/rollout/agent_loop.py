@@ -333,7 +333,9 @@ class _Trajectory:
         turn.output_tokens = have + len(result.output_ids)
         turn.weight_version = result.weight_version
         append_sampled(sample, result.output_ids, result.logprobs, result.weight_version)
-        self._engine_call_end(turn, started, result.finish_reason)
+        self._engine_call_end(
+            turn, started, result.finish_reason, new_tokens=len(result.output_ids)
+        )
         return result
 
     def _check_logprobs(self, request: GenerateRequest, result: GenerateResult) -> None:
@@ -349,12 +351,21 @@ class _Trajectory:
             )
 
     def _engine_call_end(
-        self, turn: Turn, started: float, reason: FinishReason, cancelled: bool = False
+        self,
+        turn: Turn,
+        started: float,
+        reason: FinishReason,
+        cancelled: bool = False,
+        new_tokens: int | None = None,
     ) -> None:
+        """Trace the call: ``output_tokens`` is the turn's so far; ``new_tokens`` what this
+        call sampled (less, where it continues a turn an earlier step's cut left open)."""
         seconds = self.clock() - started
         turn.finish_reason = reason
         turn.engine_s += seconds  # a continued turn adds its calls up
-        extra = {"cancelled": True} if cancelled else {}
+        extra: dict[str, Any] = {"cancelled": True} if cancelled else {}
+        if new_tokens is not None:
+            extra["new_tokens"] = new_tokens
         self.tracer.emit(
             EventKind.TURN_ENGINE_CALL,
             self.sample.workid,

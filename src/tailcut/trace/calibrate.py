@@ -56,8 +56,12 @@ def _calls(step: StepTrace) -> list[_Call]:
             if e.kind is not EventKind.TURN_ENGINE_CALL:
                 continue
             tokens, prompt = e.extra.get("output_tokens"), e.extra.get("prompt_tokens", 0)
-            if isinstance(tokens, int) and isinstance(prompt, int):
-                out.append(_Call(e.start, e.end, tokens, prompt))
+            if not (isinstance(tokens, int) and isinstance(prompt, int)):
+                continue
+            new = e.extra.get("new_tokens")  # a continued turn: the call decoded only these
+            if isinstance(new, int) and 0 <= new <= tokens:
+                tokens, prompt = new, prompt + tokens - new  # its context: the turn so far
+            out.append(_Call(e.start, e.end, tokens, prompt))
     return out
 
 
