@@ -336,3 +336,24 @@ def test_a_damaged_build_is_rebuilt_and_interrupted_builds_are_swept(tiny_dir, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     for name in FILES:
         assert _digest(model / name) == _digest(tiny_dir / name), name
+
+
+def test_a_directory_that_is_not_a_build_is_never_replaced(tmp_path):
+    from typer.testing import CliRunner
+
+    from tailcut.app.cli import app
+
+    victim = tmp_path / "models"
+    (victim / "other_model").mkdir(parents=True)
+    (victim / "notes.txt").write_text("precious")
+    with pytest.raises(build.NotABuildError, match=r"not a tailcut model directory"):
+        build.ensure_built(TINY, victim, force=True)
+    result = CliRunner().invoke(app, ["model", "init", "--out", str(victim)])
+    assert result.exit_code == 1 and "refusing to replace it" in result.output
+    assert "rebuilding" not in result.output
+    assert (victim / "notes.txt").read_text() == "precious" and (victim / "other_model").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]  # no build left beside it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    build.check_replaceable(empty)  # an empty directory, or none, is a place to build
+    build.check_replaceable(tmp_path / "none")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tailcut.chat.template import CHAT_TEMPLATE, END_OF_TEXT, IM_END
+from tailcut.errors import TailcutError
 from tailcut.models.resolve import BUILD_INFO, sha256_file, verify_build
 
 if TYPE_CHECKING:
@@ -338,12 +339,30 @@ def _train(recipe: ModelRecipe, model: Any, tokenizer: Any, progress: Progress) 
     )
 
 
+class NotABuildError(TailcutError, FileExistsError):
+    """The directory a build would replace holds something else."""
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse to replace ``out`` unless it is missing, empty or a tailcut build (it has a
+    build info, intact or not): a build never deletes a directory it did not write."""
+    out = Path(out)
+    foreign = out.exists() and not (out / BUILD_INFO).exists()
+    if foreign and (not out.is_dir() or any(out.iterdir())):
+        raise NotABuildError(
+            f"{out} is not a tailcut model directory (no {BUILD_INFO}) and is not empty; "
+            "refusing to replace it: choose another --out, or empty it"
+        )
+
+
 def build(recipe: ModelRecipe, out: Path, progress: Progress | None = None) -> dict[str, Any]:
-    """Build the model into ``out`` (replaced atomically); return the build info."""
+    """Build the model into ``out`` (replaced atomically: see :func:`check_replaceable`);
+    return the build info."""
+    out = Path(out)
+    check_replaceable(out)
     report = progress or (lambda _phase, _frac: None)
     started = time.monotonic()
     _deterministic(recipe.seed)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

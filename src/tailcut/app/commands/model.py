@@ -98,7 +98,13 @@ def init(
     build is rebuilt."""
     from rich.console import Console
 
-    from tailcut.models.build import VARIANTS, default_model_dir, ensure_built, recipe_hash
+    from tailcut.models.build import (
+        VARIANTS,
+        check_replaceable,
+        default_model_dir,
+        ensure_built,
+        recipe_hash,
+    )
     from tailcut.models.resolve import verify_build
 
     if variant not in VARIANT_NAMES:
@@ -108,6 +114,7 @@ def init(
     recipe = VARIANTS[variant]
     console = Console(stderr=as_json)
     target = out or default_model_dir(recipe)
+    check_replaceable(target)
     problem = verify_build(target, recipe_hash(recipe)) if target.exists() else None
     if problem is not None and not force:
         console.print(f"[yellow]{target}: {problem}; rebuilding[/yellow]", highlight=False)
