@@ -335,3 +335,32 @@ def test_a_currency_ground_truth_is_read_as_a_number() -> None:
 
     right, wrong = asyncio.run(check())
     assert right.correct and not wrong.correct
+
+
+def test_a_very_long_answer_is_judged_wrong_not_failed() -> None:
+    long = "\\boxed{\\text{" + "x" * 70_000 + "}}"  # its parse is echoed back: one long line
+
+    async def check() -> Any:
+        async with MathVerifier(workers=1, timeout_s=5) as verifier:
+            return await verifier.verify("1", long)
+
+    verdict = asyncio.run(check())
+    assert not verdict.correct and verdict.pred is not None and len(verdict.pred) <= 1000
+
+
+def test_the_math_worker_ignores_the_working_directory_and_says_why_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tailcut.reward.math import WORKER_COMMAND, MathVerifyError
+
+    (tmp_path / "sympy.py").write_text("raise SystemExit('a sympy.py in the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+
+    async def check(command: list[str]) -> Any:
+        async with MathVerifier(workers=1, timeout_s=5, worker_command=command) as verifier:
+            return await verifier.verify("1", "\\boxed{1}")
+
+    assert asyncio.run(check(list(WORKER_COMMAND))).correct  # the real sympy, not this one
+    broken = [sys.executable, "-c", "import sys; sys.exit('math_verify is not installed')"]
+    with pytest.raises(MathVerifyError, match=r"exited \(code 1\): math_verify is not installed"):
+        asyncio.run(check(broken))

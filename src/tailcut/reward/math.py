@@ -18,12 +18,19 @@ import json
 import logging
 import math
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import IO
 
 log = logging.getLogger(__name__)
 
-WORKER_COMMAND = (sys.executable, "-m", "tailcut.reward.math_worker")
+WORKER_COMMAND = (sys.executable, "-P", "-m", "tailcut.reward.math_worker")
+"""``-P``: the working directory is not on the worker's import path (a ``sympy.py`` there
+would be imported instead of sympy)."""
+_LINE_LIMIT = 1 << 24
+"""Bytes of one reply line (a reply echoes the parsed answer, which may be long)."""
+_STDERR_TAIL = 2000
 
 
 class MathVerifyError(RuntimeError):
@@ -38,18 +45,26 @@ class MathVerdict:
 
 
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process):
+    def __init__(self, proc: asyncio.subprocess.Process, stderr: IO[bytes]):
         self.proc = proc
+        self.stderr = stderr
+        """Where the worker's stderr goes (a file: a pipe nobody reads would fill up)."""
 
     @classmethod
     async def start(cls, command: Sequence[str], startup_timeout_s: float) -> _Worker:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        worker = cls(proc)
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- the worker owns it, closed in kill()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                limit=_LINE_LIMIT,
+            )  # fmt: skip
+        except BaseException:
+            stderr.close()
+            raise
+        worker = cls(proc, stderr)
         try:
             async with asyncio.timeout(startup_timeout_s):
                 line = await worker._readline()
@@ -65,8 +80,17 @@ class _Worker:
         assert self.proc.stdout is not None
         line = await self.proc.stdout.readline()
         if not line:
-            raise MathVerifyError(f"math-verify worker exited (code {await self.proc.wait()})")
+            code = await self.proc.wait()
+            raise MathVerifyError(f"math-verify worker exited (code {code}){self._said()}")
         return line
+
+    def _said(self) -> str:
+        """The end of what the worker wrote to stderr, as ``: ...`` (empty: nothing)."""
+        self.stderr.seek(0, 2)
+        size = self.stderr.tell()
+        self.stderr.seek(max(0, size - _STDERR_TAIL))
+        text = self.stderr.read().decode("utf-8", "replace").strip()
+        return f": {text}" if text else ""
 
     async def ask(self, request: dict[str, object]) -> dict[str, object]:
         assert self.proc.stdin is not None
@@ -83,6 +107,7 @@ class _Worker:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         await self.proc.wait()
+        self.stderr.close()
 
 
 class MathVerifier:

@@ -13,6 +13,9 @@ import re
 import sys
 from typing import Any
 
+SHOWN_CHARS = 1000
+"""The parsed answer a reply echoes (for metrics and logs), cut to this length."""
+
 
 def _gold_text(gold: str) -> str:
     """The ground truth as math-verify reads it: boxed, unless it is boxed or delimited by
@@ -30,7 +33,7 @@ def verify_one(gold: str, pred: str, timeout_s: int) -> dict[str, Any]:
     if not gold_parsed:
         return {"correct": False, "pred": None, "error": f"cannot parse ground truth {gold!r}"}
     pred_parsed = parse(pred, parsing_timeout=timeout_s)
-    shown = str(pred_parsed[-1]) if pred_parsed else None
+    shown = str(pred_parsed[-1])[:SHOWN_CHARS] if pred_parsed else None
     correct = bool(pred_parsed) and verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s)
     return {"correct": bool(correct), "pred": shown, "error": None}
 
