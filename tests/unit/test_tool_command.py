@@ -53,3 +53,19 @@ def test_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["sandbox", "run", str(tmp_path / "nope.py")])
     assert result.exit_code == 2
     assert "Invalid value for 'file'" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--timeout", "5000"], "'--timeout'"),
+        (["--memory-mb", "2000000"], "'--memory-mb'"),
+        (["--fusion-url", "notaurl"], "'notaurl' is not an http(s)://HOST[:PORT] URL"),
+    ],
+)
+def test_an_option_out_of_range_is_a_usage_error_naming_it(
+    tmp_path: Path, args: list[str], names: str
+) -> None:
+    code, out = run_cli(tmp_path, "print(1)\n", *args)
+    assert code == 2 and "Traceback" not in out
+    assert names in " ".join(out.replace("│", " ").split()), out

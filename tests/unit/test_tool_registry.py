@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tailcut.tools.base import ToolSet
 from tailcut.tools.code_interpreter import CodeInterpreterTool
 from tailcut.tools.gsm8k import Gsm8kTool
 from tailcut.tools.registry import ToolConfigError, load_tool_config
@@ -125,7 +126,7 @@ def test_schema_renames_our_tools(tmp_path: Path) -> None:
         ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {type: mcp}\n",
          r"tools\[0\]\.config\.type: only 'native'"),
         ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {timeout: -1}\n",
-         r"tools\[0\]\.config\.timeout: must be > 0"),
+         r"tools\[0\]\.config\.timeout: expected a number > 0, got -1"),
         ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {modee: best}\n",
          r"tools\[0\]\.config: modee: Extra inputs"),
         ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    tool_schema: {type: function, function: {name: 'a b'}}\n",
@@ -134,6 +135,20 @@ def test_schema_renames_our_tools(tmp_path: Path) -> None:
          r"tools\[1\]\.tool_schema\.function\.name: tool 'calc_gsm8k_reward' is defined twice"),
         ("tools:\n  - class_name: tailcut.tools.calculator.CalculatorTool\n    tool_schema: {function: {name: calc}}\n",
          r"tools\[0\]\.tool_schema\.function\.name: 'calc' does not match the tool's own name 'calculator'"),
+        ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {timeout: .nan}\n",
+         r"tools\[0\]\.config\.timeout: expected a number > 0, got nan"),
+        ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {timeout: .inf}\n",
+         r"tools\[0\]\.config\.timeout: expected a number > 0, got inf"),
+        ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {max_concurrency: 0.5}\n",
+         r"tools\[0\]\.config\.max_concurrency: expected a whole number, got 0\.5"),
+        ("tools:\n  - class_name: tailcut.tools.gsm8k.Gsm8kTool\n    config: {max_concurrency: true}\n",
+         r"tools\[0\]\.config\.max_concurrency: expected a number > 0, got True"),
+        ("tools:\n  - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool\n"
+         "    config: {timeout: 3, default_timeout: 3}\n",
+         r"tools\[0\]\.config\.timeout: 3 s is not above the longest run the tool allows itself \(30 s\)"),
+        ("tools:\n  - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool\n"
+         "    config: {sandbox_fusion_url: 'http://127.0.0.1:1/run_code', num_workers: many}\n",
+         r"tools\[0\]\.config: fusion\.max_concurrency"),
         ("tools: [\n", r"tools\.yaml: not valid YAML"),
         ("- just a list\n", r"invalid tool config"),
     ],
@@ -141,6 +156,34 @@ def test_schema_renames_our_tools(tmp_path: Path) -> None:
 def test_bad_configs_name_file_and_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ToolConfigError, match=message):
         load_tool_config(write(tmp_path, text))
+
+
+def test_a_file_that_is_not_text_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "tools.yaml"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ToolConfigError, match=r"tools\.yaml: not UTF-8 text \(byte 0\)"):
+        load_tool_config(path)
+
+
+def test_a_code_interpreters_time_out_lies_past_its_own_longest_run(tmp_path: Path) -> None:
+    """Unset, the call's time-out lies past the longest run the sandbox allows (a program's
+    own "timed out" and the output it printed reach the model); a verl Fusion config's
+    time-outs also bound the local fallback."""
+    text = (
+        "tools:\n  - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool\n"
+        "    config: {sandbox_fusion_url: 'http://127.0.0.1:1/run_code', default_timeout: 45,"
+        " memory_limit_mb: 512}\n"
+    )
+    toolset = load_tool_config(write(tmp_path, text))
+    tool = toolset.tools["code_interpreter"]
+    assert isinstance(tool, CodeInterpreterTool)
+    assert tool.config.sandbox.timeout_s == 45 and tool.config.sandbox.memory_mb == 512
+    assert tool.longest_run_s >= 45
+    assert toolset.limits["code_interpreter"].timeout_s == tool.longest_run_s + 10
+    bare = ToolSet({"code_interpreter": CodeInterpreterTool()})  # no config: the same rule
+    assert bare.limits["code_interpreter"].timeout_s == 30 + 10
+    asyncio.run(toolset.aclose())
+    asyncio.run(bare.aclose())
 
 
 def test_missing_file(tmp_path: Path) -> None:

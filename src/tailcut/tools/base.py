@@ -51,10 +51,34 @@ class Tool(Protocol):
     async def release(self, instance_id: str) -> None: ...
 
 
+DEFAULT_TIMEOUT_S = 30.0
+
+
 @dataclass(frozen=True, slots=True)
 class ToolLimits:
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     max_concurrency: int = 64
+
+
+TIMEOUT_GRACE_S = 10.0
+"""How far a call's time-out lies past the longest run a tool allows itself."""
+
+
+def longest_run_s(tool: Tool) -> float | None:
+    """The longest a call of ``tool`` runs by its own limits (``longest_run_s``: a code
+    interpreter's wall-clock bound), None when it has none."""
+    bound = getattr(tool, "longest_run_s", None)
+    return float(bound) if isinstance(bound, int | float) else None
+
+
+def default_limits(tool: Tool) -> ToolLimits:
+    """A tool's limits when its config gives none: a time-out past its own longest run, so
+    that the tool's own verdict (a program's "timed out" and the output it had) reaches the
+    model, not this guard's."""
+    bound = longest_run_s(tool)
+    if bound is None:
+        return ToolLimits()
+    return ToolLimits(timeout_s=max(DEFAULT_TIMEOUT_S, bound + TIMEOUT_GRACE_S))
 
 
 class ToolSet:
@@ -62,7 +86,8 @@ class ToolSet:
 
     def __init__(self, tools: Mapping[str, Tool], limits: Mapping[str, ToolLimits] | None = None):
         self.tools = dict(tools)
-        self.limits = {name: (limits or {}).get(name, ToolLimits()) for name in self.tools}
+        given = limits or {}
+        self.limits = {n: given.get(n) or default_limits(t) for n, t in self.tools.items()}
         self._slots = {n: asyncio.Semaphore(lim.max_concurrency) for n, lim in self.limits.items()}
 
     def schemas(self) -> list[dict[str, Any]]:

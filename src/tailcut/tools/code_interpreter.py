@@ -139,6 +139,16 @@ class CodeInterpreterTool:
         return self._schema
 
     @property
+    def longest_run_s(self) -> float:
+        """The longest a program runs by this tool's limits (what a call asks, at most
+        ``max_timeout_s``; the backend's default otherwise, Fusion's with its fallback's)."""
+        c = self.config
+        bounds = [c.max_timeout_s, c.sandbox.timeout_s]
+        if c.fusion is not None:
+            bounds.append(c.fusion.timeout_s + c.fusion.compile_timeout_s)
+        return max(bounds)
+
+    @property
     def open_instances(self) -> int:
         return len(self._instances)
 
@@ -174,6 +184,13 @@ class CodeInterpreterTool:
 def from_verl_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     """Translate verl's SandboxFusionTool ``config`` into :class:`CodeInterpreterConfig`."""
     out = {k: v for k, v in config.items() if k not in _VERL_KEYS}
+    sandbox = dict(out.get("sandbox") or {})  # also the local fallback of a Fusion server
+    if "default_timeout" in config:
+        sandbox.setdefault("timeout_s", config["default_timeout"])
+    if "memory_limit_mb" in config:
+        sandbox.setdefault("memory_mb", config["memory_limit_mb"])
+    if sandbox:
+        out["sandbox"] = sandbox
     url = config.get("sandbox_fusion_url")
     if url:
         fusion = dict(out.get("fusion") or {})
@@ -184,16 +201,9 @@ def from_verl_keys(config: Mapping[str, Any]) -> dict[str, Any]:
                 fusion.setdefault(ours, config[verl_key])
         workers = config.get("rate_limit") or config.get("num_workers")
         if workers:
-            fusion.setdefault("max_concurrency", int(workers))
+            fusion.setdefault("max_concurrency", workers)  # validated there, named
         out["fusion"] = fusion
         out.setdefault("backend", "fusion")
-    elif "default_timeout" in config or "memory_limit_mb" in config:
-        sandbox = dict(out.get("sandbox") or {})
-        if "default_timeout" in config:
-            sandbox.setdefault("timeout_s", config["default_timeout"])
-        if "memory_limit_mb" in config:
-            sandbox.setdefault("memory_mb", config["memory_limit_mb"])
-        out["sandbox"] = sandbox
     return out
 
 

@@ -20,9 +20,10 @@ import random
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tailcut.errors import TailcutError
 from tailcut.tools.sandbox import SandboxResult, SandboxStatus, looks_like_memory_error
@@ -61,6 +62,14 @@ class FusionConfig(BaseModel):
     """Longest back-off."""
     http_margin_s: float = Field(10.0, ge=0, le=600)
     """HTTP timeout = compile + run timeout + this margin."""
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+        return url
 
     @property
     def endpoint(self) -> str:

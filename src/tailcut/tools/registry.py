@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +30,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tailcut.errors import TailcutError
-from tailcut.tools.base import Tool, ToolLimits, ToolSet
+from tailcut.tools.base import (
+    TIMEOUT_GRACE_S,
+    Tool,
+    ToolLimits,
+    ToolSet,
+    default_limits,
+    longest_run_s,
+)
 
 VERL_CLASSES: dict[str, str] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "tailcut.tools.gsm8k.Gsm8kTool",
@@ -103,6 +112,10 @@ def load_tool_config(path: str | Path) -> ToolSet:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ToolConfigError(f"tool config {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ToolConfigError(
+            f"{path}: not UTF-8 text (byte {exc.start}): is it a YAML file?"
+        ) from None
     except yaml.YAMLError as exc:
         raise ToolConfigError(f"{path}: not valid YAML: {exc}") from None
     return build_toolset(raw, source=str(path))
@@ -136,16 +149,17 @@ def _limits(config: Mapping[str, Any], where: str) -> ToolLimits:
     for key in ("timeout", "max_concurrency"):
         if key not in config:
             continue
+        raw = config[key]
         try:
-            value = float(config[key])
+            value = float(raw) if not isinstance(raw, bool) else math.nan
         except (TypeError, ValueError):
-            raise ToolConfigError(
-                f"{where}.config.{key}: expected a number, got {config[key]!r}"
-            ) from None
-        if value <= 0:
-            raise ToolConfigError(f"{where}.config.{key}: must be > 0, got {config[key]!r}")
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise ToolConfigError(f"{where}.config.{key}: expected a number > 0, got {raw!r}")
         if key == "timeout":
             timeout = value
+        elif value != int(value):
+            raise ToolConfigError(f"{where}.config.{key}: expected a whole number, got {raw!r}")
         else:
             concurrency = int(value)
     return ToolLimits(timeout_s=timeout, max_concurrency=concurrency)
@@ -213,5 +227,16 @@ def _build_one(entry: ToolEntry, where: str) -> tuple[Tool, ToolLimits]:
         raise ToolConfigError(
             f"{where}.tool_schema.function.name: {schema['function']['name']!r} does not match "
             f"the tool's own name {tool.name!r}"
+        )
+    bound = longest_run_s(tool)
+    if bound is None:
+        return tool, lim
+    if "timeout" not in entry.config:
+        return tool, replace(lim, timeout_s=default_limits(tool).timeout_s)
+    if lim.timeout_s <= bound:
+        raise ToolConfigError(
+            f"{where}.config.timeout: {lim.timeout_s:g} s is not above the longest run the tool "
+            f"allows itself ({bound:g} s): its own time-out, and the output a program had, "
+            f"would be lost to this one; set it above, e.g. {bound + TIMEOUT_GRACE_S:g}"
         )
     return tool, lim

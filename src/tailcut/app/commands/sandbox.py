@@ -21,11 +21,11 @@ def run(
         Path, typer.Argument(help="Python program to run.", exists=True, dir_okay=False)
     ],
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.1, help="Wall-clock limit (s).")
+        float, typer.Option("--timeout", min=0.1, max=3600, help="Wall-clock limit (s).")
     ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     memory_mb: Annotated[
-        int, typer.Option("--memory-mb", min=32, help="Address-space limit.")
+        int, typer.Option("--memory-mb", min=32, max=1_048_576, help="Address-space limit.")
     ] = 1024,
     stdin: Annotated[
         Path | None,
@@ -45,19 +45,28 @@ def run(
     import asyncio
     import signal
 
+    from pydantic import ValidationError
+
     from tailcut.tools.fusion import FusionConfig, FusionError, SandboxFusionClient
     from tailcut.tools.sandbox import LocalSandbox, SandboxConfig, SandboxError
 
     code = _read_text(file)
     data = _read_text(stdin) if stdin else None
+    fusion = None
+    if fusion_url:
+        try:
+            fusion = FusionConfig(url=fusion_url, timeout_s=timeout, memory_limit_mb=memory_mb)
+        except ValidationError as exc:
+            why = "; ".join(str(e["msg"]) for e in exc.errors())
+            raise typer.BadParameter(why, param_hint="--fusion-url") from None
 
     async def go() -> SandboxResult:
         main = asyncio.current_task()
         assert main is not None  # SIGTERM cancels the run once, like Ctrl-C
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: main.cancelling() or main.cancel())
-        if fusion_url:
-            cfg = FusionConfig(url=fusion_url, timeout_s=timeout, memory_limit_mb=memory_mb)
+        if fusion:
+            cfg = fusion
             async with SandboxFusionClient(cfg) as client:
                 return await client.run(code, stdin=data)
         box = LocalSandbox(SandboxConfig(timeout_s=timeout, memory_mb=memory_mb))
