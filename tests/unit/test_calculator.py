@@ -121,3 +121,12 @@ def test_tool_follows_the_protocol_and_answers_through_a_session():
     assert missing.status == "bad_arguments" and "expression" in missing.text
     assert reward == {"calculator": 0.0}
     assert tool.instances == set()
+
+
+def test_a_flat_chain_of_operations_is_not_nesting():
+    terms = range(1, 41)  # 40 terms, 110 characters: a left-deep tree of 39 additions
+    assert evaluate("+".join(map(str, terms))) == sum(terms)
+    assert evaluate("*".join(["1"] * 60)) == 1
+    nested = "1+(" * 33 + "1" + ")" * 33  # a right side in parentheses still nests
+    with pytest.raises(CalculatorError, match="nested deeper"):
+        evaluate(nested)

@@ -101,7 +101,8 @@ class _Evaluator:
         raise self.fail(node, f"unsupported syntax ({type(node).__name__})")
 
     def binary(self, node: ast.BinOp, depth: int) -> Number:
-        left = self.eval(node.left, depth + 1)
+        # A flat chain (1 + 2 + ... + n) parses left-deep: its left side is not nesting.
+        left = self.eval(node.left, depth if isinstance(node.left, ast.BinOp) else depth + 1)
         right = self.eval(node.right, depth + 1)
         if isinstance(node.op, ast.Pow):
             return self.power(node, left, right)
