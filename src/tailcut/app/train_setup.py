@@ -224,17 +224,20 @@ def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
         val_prompts=val_rows,
         pad_id=int(pad_id),
         reward_seconds=lambda: reward.seconds,
-        close=_closer(engine, reward),
+        close=_closer(engine, reward, toolset),
         recipe=TrainRecipe(cfg, str(path)) if cfg.engine.kind != "hf" else None,
         ranks=ranks,
     )
 
 
-def _closer(engine: Engine, reward: RewardFn) -> Any:
+def _closer(engine: Engine, reward: RewardFn, toolset: ToolSet) -> Any:
     async def close() -> None:
         try:
             await engine.aclose()
         finally:
-            await reward.aclose()
+            try:
+                await reward.aclose()
+            finally:
+                await toolset.aclose()  # its HTTP sessions, sandbox slots
 
     return close

@@ -96,6 +96,7 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     policy = make_policy(cutoff, opts.requests, opts.group_size)
     reward: RewardFn | None = None  # scripted workload turns are not scored
+    toolset: Any = None
     max_seq_len = None
     if opts.workload is not None:
         samples, max_seq_len = workload_samples(opts, path, policy.n_launch)
@@ -122,6 +123,8 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         await engine.aclose()
         if reward is not None:
             await reward.aclose()
+        if toolset is not None:
+            await toolset.aclose()
     return summarize(opts, path, result, stats, left, no_reward)
 
 
