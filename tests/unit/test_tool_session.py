@@ -65,3 +65,27 @@ def test_a_failed_creation_fails_each_call_and_is_still_released() -> None:
     assert [r.status for r in results] == ["error"] * 3
     assert all("sandbox did not start" in r.text for r in results)
     assert tool.creates == 1 and tool.released == ["s1"]
+
+
+class BadRelease(SlowCreate):
+    name = "bad"
+
+    async def release(self, instance_id: str) -> None:
+        raise RuntimeError("release failed")
+
+
+def test_a_release_that_raises_does_not_keep_the_others_from_theirs() -> None:
+    good, bad = SlowCreate(), BadRelease()
+
+    async def main() -> None:
+        async with ToolSet({"slow": good, "bad": bad}).session("s1", {}) as session:
+            await session.call("slow", {})
+            await session.call("bad", {})  # created last: released first
+
+    try:
+        run_virtual(main())
+    except RuntimeError as exc:
+        assert str(exc) == "release failed"
+    else:
+        raise AssertionError("the failed release was swallowed")
+    assert good.released == ["s1"]

@@ -96,10 +96,16 @@ class ToolSet:
     async def aclose(self) -> None:
         """Close tools that hold run-wide resources (HTTP sessions, worker processes):
         those with an ``aclose()`` method."""
+        errors: list[Exception] = []
         for tool in self.tools.values():
             closer = getattr(tool, "aclose", None)
-            if closer is not None:
-                await closer()
+            try:
+                if closer is not None:
+                    await closer()
+            except Exception as exc:  # the others are still closed
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     @asynccontextmanager
     async def session(
@@ -178,10 +184,19 @@ class ToolSession:
         }
 
     async def release_all(self) -> None:
+        """Release every tool created in this session (a creation still running once it
+        ends); a release that raises does not keep the others from theirs: the first error
+        is raised after all of them."""
+        errors: list[Exception] = []
         for name in reversed(self.created):
             creation = self._creations.get(name)
-            if creation is not None:  # a creation still running is released once it ends
+            if creation is not None:
                 await asyncio.gather(creation, return_exceptions=True)
-            await self.toolset.tools[name].release(self.instance_id)
+            try:
+                await self.toolset.tools[name].release(self.instance_id)
+            except Exception as exc:
+                errors.append(exc)
         self.created.clear()
         self._creations.clear()
+        if errors:
+            raise errors[0]
