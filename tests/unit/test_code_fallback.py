@@ -110,3 +110,30 @@ def test_the_shipped_tool_config_and_the_registry_name():
     assert TOOLS["code_interpreter"].endswith("CodeInterpreterTool")
     local = tools_by_name(["code_interpreter"]).tools["code_interpreter"]
     assert type(local) is CodeInterpreterTool and local.config.backend == "local"
+
+
+def test_a_broken_answer_falls_back_too():
+    """The server answers 200 with a body shorter than its Content-Length (aiohttp's
+    ClientPayloadError, not a connection error): the local sandbox runs the program."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"status\": ")  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        tool = _tool(f"http://127.0.0.1:{port}")
+        try:
+            out = await tool.execute("i", {"code": "print(6 * 7)"})
+            assert (out.text, out.status) == ("42", "ok")
+            assert getattr(tool.backend, "fallback_runs", None) == 1
+        finally:
+            await tool.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

@@ -177,6 +177,10 @@ class SandboxFusionClient:
             raise FusionError(
                 f"Sandbox Fusion at {cfg.endpoint} gave no answer within {http_timeout.total:g} s"
             ) from None
+        except aiohttp.ClientError as exc:  # a broken answer (its body cut short, ...)
+            raise FusionError(
+                f"Sandbox Fusion at {cfg.endpoint}: {type(exc).__name__}: {exc}"
+            ) from exc
         if status in RETRY_STATUSES:
             raise _Retryable(f"HTTP {status}: {_server_message(body)}")
         if status != 200:
