@@ -180,8 +180,11 @@ def test_a_code_interpreters_time_out_lies_past_its_own_longest_run(tmp_path: Pa
     assert tool.config.sandbox.timeout_s == 45 and tool.config.sandbox.memory_mb == 512
     assert tool.longest_run_s >= 45
     assert toolset.limits["code_interpreter"].timeout_s == tool.longest_run_s + 10
-    bare = ToolSet({"code_interpreter": CodeInterpreterTool()})  # no config: the same rule
+    # Calls beyond the server's slots wait before their time-out starts, not inside it.
+    assert toolset.limits["code_interpreter"].max_concurrency == tool.parallel_runs == 10
+    bare = ToolSet({"code_interpreter": CodeInterpreterTool()})  # no config: the same rules
     assert bare.limits["code_interpreter"].timeout_s == 30 + 10
+    assert bare.limits["code_interpreter"].max_concurrency == 16  # the local sandbox's
     asyncio.run(toolset.aclose())
     asyncio.run(bare.aclose())
 
@@ -189,3 +192,28 @@ def test_a_code_interpreters_time_out_lies_past_its_own_longest_run(tmp_path: Pa
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ToolConfigError, match="does not exist"):
         load_tool_config(tmp_path / "nope.yaml")
+
+
+def test_a_call_waits_for_a_sandbox_slot_before_its_time_out_starts(tmp_path: Path) -> None:
+    """One sandbox slot, four programs of 0.8 s at once, 3 s a call: the last one ends
+    ~3.2 s after they were sent. Waiting for the slot is not part of its time-out."""
+    text = """
+tools:
+  - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool
+    config:
+      timeout: 3
+      max_timeout_s: 2
+      sandbox: {timeout_s: 2, max_concurrency: 1}
+"""
+    toolset = load_tool_config(write(tmp_path, text))
+
+    async def main() -> list[str]:
+        async with toolset.session("s", {}) as session:
+            calls = [session.call("code_interpreter", {"code": "import time; time.sleep(0.8)"})
+                     for _ in range(4)]  # fmt: skip
+            return [r.status for r in await asyncio.gather(*calls)]
+
+    try:
+        assert asyncio.run(main()) == ["ok"] * 4
+    finally:
+        asyncio.run(toolset.aclose())

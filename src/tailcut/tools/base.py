@@ -15,7 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -74,11 +74,17 @@ def longest_run_s(tool: Tool) -> float | None:
 def default_limits(tool: Tool) -> ToolLimits:
     """A tool's limits when its config gives none: a time-out past its own longest run, so
     that the tool's own verdict (a program's "timed out" and the output it had) reaches the
-    model, not this guard's."""
+    model, not this guard's; no more calls at once than it runs at once (``parallel_runs``:
+    a sandbox's slots), so that a call waits for its turn before its time-out starts, not
+    inside it."""
     bound = longest_run_s(tool)
-    if bound is None:
-        return ToolLimits()
-    return ToolLimits(timeout_s=max(DEFAULT_TIMEOUT_S, bound + TIMEOUT_GRACE_S))
+    runs = getattr(tool, "parallel_runs", None)
+    out = ToolLimits()
+    if bound is not None:
+        out = replace(out, timeout_s=max(DEFAULT_TIMEOUT_S, bound + TIMEOUT_GRACE_S))
+    if isinstance(runs, int) and runs < out.max_concurrency:
+        out = replace(out, max_concurrency=runs)
+    return out
 
 
 class ToolSet:

@@ -149,6 +149,12 @@ class CodeInterpreterTool:
         return max(bounds)
 
     @property
+    def parallel_runs(self) -> int:
+        """Programs its backend runs at once (the rest wait for a slot)."""
+        c = self.config
+        return c.fusion.max_concurrency if c.fusion is not None else c.sandbox.max_concurrency
+
+    @property
     def open_instances(self) -> int:
         return len(self._instances)
 

@@ -228,11 +228,14 @@ def _build_one(entry: ToolEntry, where: str) -> tuple[Tool, ToolLimits]:
             f"{where}.tool_schema.function.name: {schema['function']['name']!r} does not match "
             f"the tool's own name {tool.name!r}"
         )
+    default = default_limits(tool)
+    if "max_concurrency" not in entry.config:
+        lim = replace(lim, max_concurrency=default.max_concurrency)
     bound = longest_run_s(tool)
     if bound is None:
         return tool, lim
     if "timeout" not in entry.config:
-        return tool, replace(lim, timeout_s=default_limits(tool).timeout_s)
+        return tool, replace(lim, timeout_s=default.timeout_s)
     if lim.timeout_s <= bound:
         raise ToolConfigError(
             f"{where}.config.timeout: {lim.timeout_s:g} s is not above the longest run the tool "
