@@ -68,7 +68,8 @@ def test_ok_program_output_and_isolation_report(box: Box) -> None:
     r = box.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\n")
     assert (r.status, r.stdout, r.stderr, r.exit_code) == ("ok", "out\n", "err\n", 0)
     assert r.run_s is not None and r.run_s <= r.duration_s
-    assert set(r.isolation) >= {"user", "network", "processes", "filesystem", "process_limit"}
+    assert set(r.isolation) >= {"user", "network", "processes", "mounts", "ipc", "filesystem",
+                                "disk", "process_limit", "memory_limit"}  # fmt: skip
     if os.geteuid() == 0:
         assert r.isolation["user"].startswith("uid 310")
 

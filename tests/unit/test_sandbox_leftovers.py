@@ -1,7 +1,7 @@
 """What a killed ``tailcut sandbox run`` leaves, and who removes it.
 
 SIGTERM: the CLI tears the run down itself (like Ctrl-C) and exits 143. SIGKILL: the run
-dir and the pids cgroup stay behind; they are named after their owner's pid and start
+dir and the cgroups (pids, memory) stay behind; they are named after their owner's pid and start
 time, and the next sandbox run sweeps those of dead owners (killing what is left in the
 cgroup). Real processes throughout; every wait is bounded.
 """
@@ -23,7 +23,8 @@ import pytest
 
 from fakes.procs import marked_processes, wait_for_marked
 from tailcut.tools.sandbox import LocalSandbox, SandboxConfig
-from tailcut.tools.sandbox.procs import TAG_VAR, PidsCgroup, _own_cgroup_dir, owner_mark
+from tailcut.tools.sandbox.cgroup import PARENT, own_cgroup_dirs
+from tailcut.tools.sandbox.procs import TAG_VAR, owner_mark
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -42,10 +43,13 @@ def wait_until(what: Callable[[], T], timeout_s: float = 15.0) -> T:
     return value
 
 
-def cgroup_parent() -> Path | None:
-    found = _own_cgroup_dir()
-    parent = found[0] / PidsCgroup.PARENT if found else None
-    return parent if parent and os.access(parent, os.W_OK) else None
+def cgroup_parents() -> list[Path]:
+    """The sandbox's parent cgroup in each writable hierarchy (v1: pids and memory apart),
+    made here if no run has made it yet."""
+    parents = [d / PARENT for d in own_cgroup_dirs() if os.access(d, os.W_OK)]
+    for parent in parents:
+        parent.mkdir(exist_ok=True)
+    return parents
 
 
 def tagged(tag: str) -> list[int]:
@@ -89,9 +93,8 @@ def test_sigterm_tears_the_run_down_and_exits_143(runs_dir: Path) -> None:
     proc = start_cli(runs_dir, LONG)
     try:
         run_dir, run_id = running_run(runs_dir)
-        parent = cgroup_parent()
-        if parent is not None:
-            assert (parent / f"run-{run_id}").is_dir()
+        parents = cgroup_parents()
+        assert all((parent / f"run-{run_id}").is_dir() for parent in parents)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     finally:
@@ -100,8 +103,7 @@ def test_sigterm_tears_the_run_down_and_exits_143(runs_dir: Path) -> None:
     assert "Traceback" not in err
     assert not run_dir.exists() and list(runs_dir.iterdir()) == []
     assert tagged(run_id.rsplit("-", 1)[1]) == []
-    if parent is not None:
-        assert not (parent / f"run-{run_id}").exists()
+    assert not any((parent / f"run-{run_id}").exists() for parent in parents)
 
 
 def test_sigkill_leaves_the_run_dir_and_cgroup_for_the_next_run_to_sweep(
@@ -116,17 +118,15 @@ def test_sigkill_leaves_the_run_dir_and_cgroup_for_the_next_run_to_sweep(
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert run_dir.is_dir()  # nobody cleaned up
-    parent = cgroup_parent()
-    if parent is not None:
-        assert (parent / f"run-{run_id}").is_dir()
+    parents = cgroup_parents()
+    assert all((parent / f"run-{run_id}").is_dir() for parent in parents)
     wait_until(lambda: not tagged(run_id.rsplit("-", 1)[1]))  # parent-death signals
 
     nxt = start_cli(runs_dir, "print('next')\n")
     out, err = nxt.communicate(timeout=60)
     assert (nxt.returncode, out.splitlines()[0]) == (0, "next"), err
     assert list(runs_dir.iterdir()) == []
-    if parent is not None:
-        assert not (parent / f"run-{run_id}").exists()
+    assert not any((parent / f"run-{run_id}").exists() for parent in parents)
 
 
 KILLED_OWNER = """
@@ -143,7 +143,7 @@ ESCAPE = (  # a grandchild in its own session, still running `sleep` after main 
 )
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or cgroup_parent() is None, reason="needs a pids cgroup")
+@pytest.mark.skipif(os.geteuid() != 0 or not cgroup_parents(), reason="needs a cgroup")
 def test_the_sweep_kills_what_a_killed_owner_left_in_its_cgroup(runs_dir: Path) -> None:
     mark = os.urandom(6).hex()
     cfg = {"tmp_dir": str(runs_dir), "env": {"SANDBOX_TEST_MARK": mark}, "timeout_s": 120,
@@ -171,19 +171,19 @@ def test_only_the_leftovers_of_dead_owners_are_swept(runs_dir: Path) -> None:
     kept = [f"tailcut-sbx-{owner_mark()}-00000000", "tailcut-sbx-abc123", "tailcut-sbx-test-x"]
     for name in [f"tailcut-sbx-{dead}", *kept]:
         (runs_dir / name / "sub").mkdir(parents=True)
-    parent = cgroup_parent() if os.geteuid() == 0 else None
-    if parent is not None:
+    parents = cgroup_parents() if os.geteuid() == 0 else []
+    for parent in parents:
         (parent / f"run-{dead}").mkdir()
         (parent / f"run-{owner_mark()}-00000000").mkdir()
     try:
         r = asyncio.run(LocalSandbox(SandboxConfig(tmp_dir=str(runs_dir))).run("print(1)"))
         assert r.status == "ok"
         assert sorted(p.name for p in runs_dir.iterdir()) == sorted(kept)
-        if parent is not None:
+        for parent in parents:
             assert not (parent / f"run-{dead}").exists()
             assert (parent / f"run-{owner_mark()}-00000000").is_dir()
     finally:
-        if parent is not None:
+        for parent in parents:
             for name in (f"run-{dead}", f"run-{owner_mark()}-00000000"):
                 if (parent / name).exists():
                     (parent / name).rmdir()

@@ -25,7 +25,13 @@ def run(
     ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     memory_mb: Annotated[
-        int, typer.Option("--memory-mb", min=32, max=1_048_576, help="Address-space limit.")
+        int,
+        typer.Option(
+            "--memory-mb",
+            min=32,
+            max=1_048_576,
+            help="Memory limit (MiB): each process, and the whole run where a memory cgroup can be made.",
+        ),
     ] = 1024,
     stdin: Annotated[
         Path | None,

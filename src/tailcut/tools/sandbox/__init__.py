@@ -5,13 +5,16 @@ Each run gets a fresh temp directory and a supervisor process
 
 * rlimits on CPU time, address space, file size, open files and processes;
 * an unprivileged uid when tailcut runs as root (root ignores ``RLIMIT_NPROC``), one uid
-  per concurrent run, plus a pids cgroup where the hierarchy is writable;
-* new network (no interfaces but a down loopback), pid and mount namespaces where the
-  kernel allows — as a normal user through a user namespace. What could not be isolated
-  is said in :attr:`SandboxResult.isolation` (and logged once);
+  per concurrent run, plus pids and memory cgroups where the hierarchies are writable
+  (the memory one caps the run as a whole, RLIMIT_AS each process);
+* new network (no interfaces but a down loopback), pid, mount and IPC namespaces where
+  the kernel allows — as a normal user through a user namespace. What could not be
+  isolated is said in :attr:`SandboxResult.isolation` (and logged once);
 * a read-only view of the file system except its work dir and a private ``/tmp``, which
   share one tmpfs of ``disk_mb`` (the kernel answers ENOSPC past it; the host's disk
-  never grows).
+  never grows); ``/run`` and ``/var/run`` are empty, so the host's Unix sockets there
+  cannot be reached;
+* a supervisor that inherits none of tailcut's environment variables.
 
 stdout and stderr are read concurrently; each keeps its first ``max_output_bytes`` and
 the run is killed once it has written ``kill_output_bytes``. On a timeout, an output
@@ -24,9 +27,11 @@ Modules: :mod:`~tailcut.tools.sandbox.config` (:class:`SandboxConfig`),
 :mod:`~tailcut.tools.sandbox.local` (:class:`LocalSandbox`),
 :mod:`~tailcut.tools.sandbox.run` (one run: prepare, spawn, supervise, tear down),
 :mod:`~tailcut.tools.sandbox.launcher` (the supervisor, run as a script, standard library
-only), :mod:`~tailcut.tools.sandbox.procs` (host-side process bookkeeping: kill, pids
-cgroup, uid pool) and :mod:`~tailcut.tools.sandbox.result` (what a run gives back, shared
-with the Sandbox Fusion client).
+only), :mod:`~tailcut.tools.sandbox.procs` (host-side process bookkeeping: kill, uid
+pool), :mod:`~tailcut.tools.sandbox.cgroup` (per-run pids and memory cgroups),
+:mod:`~tailcut.tools.sandbox.isolation` (the isolation report) and
+:mod:`~tailcut.tools.sandbox.result` (what a run gives back, shared with the Sandbox
+Fusion client).
 """
 
 from tailcut.tools.sandbox.config import SandboxConfig

@@ -3,13 +3,16 @@
 Standard library only: it runs before any site packages are importable. The parent
 (:mod:`tailcut.tools.sandbox`) passes a JSON spec and an "info" pipe; this process
 
-1. joins the pids cgroup the parent prepared (if any) and becomes a child subreaper, so
-   every orphan of the program is re-parented here instead of escaping to init;
-2. enters new network / pid / mount namespaces where the kernel allows (as root
+1. joins the cgroups the parent prepared (pids, memory; if any) and becomes a child
+   subreaper, so every orphan of the program is re-parented here instead of escaping
+   to init;
+2. enters new network / pid / mount / IPC namespaces where the kernel allows (as root
    directly, otherwise through a new user namespace) and records what it could not do;
 3. in the mount namespace: one size-capped tmpfs (the disk quota) holds a copy of the
-   work directory and fresh ``/tmp``, ``/var/tmp``, ``/dev/shm``; the interpreter is
-   made reachable for the unprivileged uid, and every other mount remounted read-only;
+   work directory and fresh ``/tmp``, ``/var/tmp``, ``/dev/shm``; empty read-only
+   tmpfs hide ``/run`` and ``/var/run`` (the host's Unix sockets: a read-only mount does
+   not stop ``connect``); the interpreter is made reachable for the unprivileged uid,
+   and every other mount remounted read-only;
 4. forks the program: rlimits, unprivileged uid or dropped capabilities,
    ``no_new_privs``, parent-death signal, then ``execve``;
 5. waits for it, kills and reaps whatever it left behind, and reports the exit status
@@ -30,6 +33,7 @@ import sys
 import time
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -39,8 +43,14 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+HIDDEN_DIRS = ("/run", "/var/run")
 NO_REMOUNT = ("/proc", "/sys", "/dev")
-NAMESPACES = (("net", CLONE_NEWNET), ("pid", CLONE_NEWPID), ("mount", CLONE_NEWNS))
+NAMESPACES = (
+    ("net", CLONE_NEWNET),
+    ("pid", CLONE_NEWPID),
+    ("mount", CLONE_NEWNS),
+    ("ipc", CLONE_NEWIPC),
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -159,9 +169,9 @@ def _flags_of(path: str) -> int:
 def private_tmp(workdir: str, size_bytes: int, made: list[str], keep: list[str]) -> list[str]:
     """One tmpfs of ``size_bytes`` for all the program may write (its disk quota): its
     work dir, into which what the parent put there is copied, and fresh /tmp, /var/tmp,
-    /dev/shm. The ``keep`` paths (the interpreter, when it lives under a temp dir) are
-    bound back read-only. Every mount made is appended to ``made`` (for a rollback);
-    returns the private dirs mounted."""
+    /dev/shm; an empty tmpfs over each of ``HIDDEN_DIRS``. The ``keep`` paths (the
+    interpreter, when it lives under one of these dirs) are bound back read-only. Every
+    mount made is appended to ``made`` (for a rollback); returns the dirs covered."""
     host_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
     try:
         owner = os.stat(host_fd)
@@ -182,28 +192,33 @@ def private_tmp(workdir: str, size_bytes: int, made: list[str], keep: list[str])
         os.mkdir(sub)
         os.chmod(sub, 0o1777)
     fds = {sub: os.open(sub, os.O_PATH | os.O_DIRECTORY) for sub in [work, *subdirs.values()]}
-    mounted = []
+    covered = []
     try:
-        for d, sub in subdirs.items():
+        for d in [*subdirs, *HIDDEN_DIRS]:
             if not os.path.isdir(d) or os.path.islink(d):
                 continue
             kept = {k: os.open(k, os.O_PATH) for k in keep if _under(k, [d]) and os.path.exists(k)}
             try:
-                _mount(f"/proc/self/fd/{fds[sub]}", d, None, MS_BIND, None)
+                if d in subdirs:
+                    _mount(f"/proc/self/fd/{fds[subdirs[d]]}", d, None, MS_BIND, None)
+                else:
+                    _mount(
+                        "tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=1m"
+                    )
                 made.append(d)
-                mounted.append(d)
+                covered.append(d)
                 for path, fd in kept.items():
                     _bind_back_readonly(path, fd, made)
             finally:
                 for fd in kept.values():
                     os.close(fd)
-        os.makedirs(workdir, mode=0o755, exist_ok=True)  # in a fresh /tmp if under one
+        os.makedirs(workdir, mode=0o755, exist_ok=True)  # in a fresh /tmp or /run if under one
         _mount(f"/proc/self/fd/{fds[work]}", workdir, None, MS_BIND, None)
         made.append(workdir)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return mounted
+    return covered
 
 
 def _bind_back_readonly(path: str, fd: int, made: list[str]) -> None:
@@ -274,12 +289,12 @@ def readonly_rest(writable: list[str]) -> list[str]:
 
 
 def setup_mounts(spec: dict, notes: dict) -> None:
-    """Private /tmp, the interpreter exposed, the rest read-only; on a failure every
-    mount made is undone and ``notes["mount"]`` says why."""
+    """Private /tmp, /run hidden, the interpreter exposed, the rest read-only; on a
+    failure every mount made is undone and ``notes["mount"]`` says why."""
     made: list[str] = []
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-        writable = private_tmp(
+        covered = private_tmp(
             spec["workdir"], spec["limits"]["disk_bytes"], made, spec.get("keep", [])
         )
         notes["disk"] = True
@@ -291,8 +306,10 @@ def setup_mounts(spec: dict, notes: dict) -> None:
                 _call("umount2", target.encode(), MNT_DETACH)
         notes["mount"] = f"mount setup failed: {exc}"
         return
-    failed = readonly_rest([*writable, spec["workdir"]])
+    failed = readonly_rest([*(d for d in covered if d in PRIVATE_DIRS), spec["workdir"]])
     notes["filesystem"] = "read-only except work dir and private /tmp"
+    if hidden := [d for d in covered if d in HIDDEN_DIRS]:
+        notes["filesystem"] += f"; {', '.join(hidden)} hidden (empty)"
     if failed:
         notes["filesystem"] += f" (could not remount: {'; '.join(failed[:4])})"
 
@@ -357,7 +374,7 @@ def run_child(spec: dict, notes: dict, info_fd: int) -> None:
         if notes.get("pid") is True and notes.get("mount") is True:
             _call("unshare", CLONE_NEWNS)  # own /proc, without changing the launcher's
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        shared = os.geteuid() != 0 and not notes.get("user_namespace") and not spec.get("cgroup")
+        shared = os.geteuid() != 0 and not notes.get("user_namespace") and not spec["pids_cgroup"]
         apply_limits(spec["limits"], nproc_shared=shared)
         become_user(notes.get("uid"), notes.get("gid"))
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -419,8 +436,8 @@ def start_time(pid: int) -> int:
 
 
 def prepare(spec: dict, notes: dict) -> None:
-    if spec.get("cgroup"):
-        _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
+    for cgroup in spec["cgroups"]:
+        _write(os.path.join(cgroup, "cgroup.procs"), str(os.getpid()))
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent_pid"]:

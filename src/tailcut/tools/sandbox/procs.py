@@ -1,13 +1,13 @@
-"""Host-side process bookkeeping for the local sandbox (Linux ``/proc`` and cgroups).
+"""Host-side process bookkeeping for the local sandbox (Linux ``/proc``).
 
 * :func:`terminate` kills every process of one sandbox run and waits (through pidfds)
   until each is dead. Where the run has a pid namespace, killing its init is enough
-  (the kernel kills the rest); else, where it has a pids cgroup, the cgroup lists every
-  member; else ``/proc`` is scanned for the supervisor's descendants, the run's private
-  uid and, as a last resort, the run's tag in the environment.
-* :class:`PidsCgroup` is a per-run pids cgroup (v1 or v2) where the hierarchy is writable.
-  Its name carries the owner's pid and start time (:func:`owner_mark`): creating one
-  sweeps the cgroups of owners that were killed, and kills what is left in them.
+  (the kernel kills the rest); else, where it has a cgroup (:mod:`~.cgroup`), the
+  cgroup lists every member; else ``/proc`` is scanned for the supervisor's
+  descendants, the run's private uid and, as a last resort, the run's tag in the
+  environment.
+* :func:`owner_mark` / :func:`owner_is_dead` name run dirs and cgroups after their owner,
+  so that the leftovers of a killed owner can be told from live runs and swept.
 * :class:`UidPool` leases unprivileged uids to runs (one uid per concurrent run, across
   processes through ``flock``), so a process count limit and a "kill by uid" sweep
   see exactly one run.
@@ -27,6 +27,10 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tailcut.tools.sandbox.cgroup import RunCgroup
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class Target:
     init_pid: int | None = None
     """The program's pid on the host when it is the init of its own pid namespace."""
     init_start: int | None = None
-    cgroup: PidsCgroup | None = None
+    cgroup: RunCgroup | None = None
 
     def victims(self) -> set[int]:
         """Live processes of the run, the supervisor excepted."""
@@ -224,7 +228,7 @@ async def terminate(target: Target, *, timeout_s: float = 5.0, max_rounds: int =
     return signalled
 
 
-def _kill_and_wait(pids: set[int], timeout_s: float = 2.0) -> None:
+def kill_and_wait(pids: set[int], timeout_s: float = 2.0) -> None:
     """SIGKILL ``pids`` (not our children) and wait, bounded, until each has exited."""
     fds = [fd for fd in map(_pidfd_kill, pids) if fd is not None]
     try:
@@ -236,99 +240,6 @@ def _kill_and_wait(pids: set[int], timeout_s: float = 2.0) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-# -- pids cgroup ------------------------------------------------------------------------
-
-
-def _own_cgroup_dir() -> tuple[Path, int] | None:
-    """Our pids cgroup directory and its version, if one is mounted."""
-    mounts: dict[str, Path] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fstype, _, options = right.split()[:3]
-            point = Path(left.split()[4])
-            if fstype == "cgroup2":
-                mounts.setdefault("v2", point)
-            elif fstype == "cgroup" and "pids" in options.split(","):
-                mounts["v1"] = point
-    with open("/proc/self/cgroup") as f:
-        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
-    for _hier, controllers, rel in lines:
-        if "pids" in controllers.split(",") and "v1" in mounts:
-            return mounts["v1"] / rel.lstrip("/"), 1
-    for hier, _controllers, rel in lines:
-        if hier == "0" and "v2" in mounts:
-            base = mounts["v2"] / rel.lstrip("/")
-            enabled = (base / "cgroup.subtree_control").read_text().split()
-            if "pids" in enabled:
-                return base, 2
-    return None
-
-
-def _members(cgroup: Path) -> set[int]:
-    try:
-        return {int(x) for x in (cgroup / "cgroup.procs").read_text().split()}
-    except OSError:
-        return set()
-
-
-class PidsCgroup:
-    """A per-run pids cgroup: caps the process count and lists every member."""
-
-    PARENT = "tailcut-sandbox"
-
-    def __init__(self, path: Path, version: int):
-        self.path = path
-        self.version = version
-
-    @classmethod
-    def create(cls, name: str, max_pids: int) -> PidsCgroup | None:
-        """A new cgroup, or None where the pids hierarchy is absent or not writable."""
-        try:
-            found = _own_cgroup_dir()
-            if found is None:
-                return None
-            base, version = found
-            parent = base / cls.PARENT
-            parent.mkdir(exist_ok=True)
-            if version == 2:
-                (parent / "cgroup.subtree_control").write_text("+pids")
-            cls._sweep(parent)
-            path = parent / name
-            path.mkdir()
-            (path / "pids.max").write_text(str(max_pids))
-            return cls(path, version)
-        except OSError as exc:
-            log.debug("no pids cgroup for the sandbox: %s", exc)
-            return None
-
-    @staticmethod
-    def _sweep(parent: Path, min_age_s: float = 120.0) -> None:
-        """Remove the cgroups of killed owners (after killing what is left in them) and
-        empty ones that earlier runs could not remove (old ones only: a fresh empty one
-        may belong to a run whose supervisor is about to join it)."""
-        now = time.time()
-        for child in parent.iterdir():
-            with contextlib.suppress(OSError):
-                if not child.is_dir():
-                    continue
-                if owner_is_dead(child.name, "run-"):
-                    _kill_and_wait(_members(child))
-                    child.rmdir()
-                elif now - child.stat().st_mtime > min_age_s and not _members(child):
-                    child.rmdir()
-
-    def pids(self) -> set[int]:
-        return _members(self.path)
-
-    def remove(self) -> bool:
-        try:
-            self.path.rmdir()
-            return True
-        except OSError:
-            return False  # a zombie not yet reaped; swept by a later run
 
 
 # -- uid pool ---------------------------------------------------------------------------

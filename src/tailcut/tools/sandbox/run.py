@@ -27,9 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tailcut.tools.sandbox.cgroup import RunCgroup
+from tailcut.tools.sandbox.isolation import isolation_report
 from tailcut.tools.sandbox.procs import (
     TAG_VAR,
-    PidsCgroup,
     Target,
     UidLease,
     UidPool,
@@ -50,9 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
+LAUNCHER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+"""The supervisor's whole environment: it needs none of tailcut's (``python -I`` ignores
+``PYTHON*``), and the program may read it where it runs under the same uid."""
 DIR_PREFIX = "tailcut-sbx-"
 _INVALID = re.compile("[\udc80-\udcff]")  # bytes that are not UTF-8, surrogate-escaped
-_warned: set[str] = set()
 
 
 class _Capture:
@@ -121,7 +124,8 @@ class Run:
         self.workdir: Path | None = None
         self.lease: UidLease | None = None
         self._info_r: int | None = None
-        self.cgroup: PidsCgroup | None = None
+        self.cgroup: RunCgroup | None = None
+        self.oom_kills = 0
         self.proc: asyncio.subprocess.Process | None = None
         self.target: Target | None = None
         self.killed = False
@@ -163,7 +167,8 @@ class Run:
         else:
             self.workdir.chmod(0o700)
         if self.cfg.use_cgroup:  # sweeps (and kills) what runs of killed owners left
-            self.cgroup = PidsCgroup.create(f"run-{run_id}", self.cfg.max_processes + 4)
+            limits = {"pids": self.cfg.max_processes + 4, "memory": self.cfg.run_memory_mb * 2**20}
+            self.cgroup = RunCgroup.create(f"run-{run_id}", limits)
         sweep_run_dirs(root)
 
     def _spec(self, info_fd: int) -> dict[str, Any]:
@@ -184,7 +189,7 @@ class Run:
             TAG_VAR: self.tag,
         }
         cpu = cfg.cpu_time_s or self.timeout_s
-        namespaces = ["pid", "mount"] + (["net"] if cfg.isolate_network else [])
+        namespaces = ["pid", "mount", "ipc"] + (["net"] if cfg.isolate_network else [])
         if not cfg.use_namespaces:
             namespaces = []
         return {
@@ -193,7 +198,8 @@ class Run:
             "env": env,
             "uid": self.lease.uid if self.lease else None,
             "gid": self.lease.uid if self.lease else None,
-            "cgroup": str(self.cgroup.path) if self.cgroup else None,
+            "cgroups": [str(p) for p in self.cgroup.paths] if self.cgroup else [],
+            "pids_cgroup": bool(self.cgroup and self.cgroup.path_of("pids")),
             "namespaces": namespaces,
             "require": ["net"] if cfg.require_network_isolation and cfg.isolate_network else [],
             "expose": _interpreter_paths(python) if self.lease else [],
@@ -223,6 +229,7 @@ class Run:
                 pass_fds=(w,),
                 start_new_session=True,
                 cwd="/",
+                env=LAUNCHER_ENV,
             )  # fmt: skip
         except BaseException:
             os.close(r)
@@ -271,6 +278,7 @@ class Run:
         if self.cgroup is not None:
             if self.cgroup.pids() and self.target is not None:  # belt and braces
                 await terminate(dataclasses.replace(self.target, init_pid=None))
+            self.oom_kills = self.cgroup.oom_kills()
             self.cgroup.remove()
         if self._info_r is not None:
             os.close(self._info_r)
@@ -347,7 +355,9 @@ class Run:
             stdout_bytes=self.out.total,
             stderr_bytes=self.err.total,
             invalid_utf8_bytes=bad_out + bad_err,
-            isolation=self._isolation(),
+            isolation=isolation_report(
+                self.cfg, self.info.get("started", {}).get("isolation", {}), self.cgroup
+            ),
         )
 
     def _classify(self, code: int | None, exit_info: dict[str, Any]) -> tuple[SandboxStatus, str]:
@@ -356,6 +366,9 @@ class Run:
             return "timeout", f"wall-clock limit {self.timeout_s:g} s"
         if self.reason == "output":
             return "killed", f"output limit {cfg.kill_output_bytes} bytes"
+        if self.oom_kills:  # whatever the exit code: a process was killed, output may be cut
+            return "memory", (f"memory limit {cfg.run_memory_mb} MiB of the whole run: the "
+                              f"kernel killed {self.oom_kills} process(es)")  # fmt: skip
         if code is None:
             return "killed", "the sandbox supervisor was killed"
         cpu_limit = max(1, math.ceil(cfg.cpu_time_s or self.timeout_s))
@@ -378,38 +391,6 @@ class Run:
         rss_kb = exit_info.get("maxrss_kb") or 0
         fatal = {-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS}
         return code in fatal and rss_kb * 1024 >= 0.8 * self.cfg.memory_mb * 2**20
-
-    def _isolation(self) -> dict[str, str]:
-        notes = self.info.get("started", {}).get("isolation", {})
-        out: dict[str, str] = {}
-        uid = notes.get("uid")
-        if uid is not None:
-            out["user"] = f"uid {uid}"
-        elif os.geteuid() == 0:
-            out["user"] = "root without capabilities: " + notes.get("uid_refused", "no uid")
-        else:
-            out["user"] = f"uid {os.getuid()} (unchanged)"
-        for name, label in (("net", "network"), ("pid", "processes"), ("mount", "mounts")):
-            value = notes.get(name)
-            if not self.cfg.use_namespaces or (name == "net" and not self.cfg.isolate_network):
-                out[label] = "NOT isolated: switched off in the sandbox config"
-            else:
-                out[label] = "namespace" if value is True else f"NOT isolated: {value}"
-        out["filesystem"] = notes.get("filesystem", "shared (no mount namespace)")
-        if notes.get("disk") is True:
-            out["disk"] = f"tmpfs quota {self.cfg.disk_mb} MiB (work dir and private /tmp)"
-        else:
-            why = out["mounts"].removeprefix("NOT isolated: ")
-            out["disk"] = f"NOT isolated: {why}; only {self.cfg.max_file_mb} MiB per file"
-        if self.cgroup is not None:
-            out["process_limit"] = f"pids cgroup ({self.cgroup.path})"
-        else:
-            out["process_limit"] = "RLIMIT_NPROC" + (f" for uid {uid}" if uid is not None else "")
-        for label, value in out.items():
-            if "NOT isolated" in value and label not in _warned:
-                _warned.add(label)
-                log.warning("local sandbox: %s %s", label, value)
-        return out
 
 
 async def _pipe_reader(fd: int) -> asyncio.StreamReader:
