@@ -198,6 +198,13 @@ def generate_problems(seed: int, n: int, cfg: TaskConfig | None = None) -> list[
     return [generate_problem(rng, cfg) for _ in range(n)]
 
 
+def held_out_problems(
+    seed: int, n: int, train: Sequence[Problem], cfg: TaskConfig | None = None
+) -> list[Problem]:
+    """``n`` problems drawn from ``seed`` that are not among ``train`` (by question)."""
+    return synth.held_out_problems(lambda rng: generate_problem(rng, cfg), seed, n, train)
+
+
 def tools() -> list[dict[str, Any]]:
     """The tool schemas the prompts are rendered with."""
     return [CODE_SCHEMA]
@@ -255,7 +262,7 @@ def make_row(problem: Problem, split: str, index: int, seed: int = 0) -> dict[st
 
 def tool_config() -> dict[str, Any]:
     """verl's tool-config YAML content for the code tool on the local sandbox."""
-    return synth.tool_config(TOOL_NAME, CODE_SCHEMA, timeout=30, backend="local")
+    return synth.tool_config(TOOL_NAME, CODE_SCHEMA, backend="local")  # time-out: past its runs
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -263,24 +270,15 @@ def split_seed(seed: int, split: str) -> int:
     return synth.split_seed(seed, split, 29)
 
 
-def held_out_problems(
-    seed: int, n: int, train: Sequence[Problem], cfg: TaskConfig | None = None
-) -> list[Problem]:
-    """``n`` problems drawn from ``seed`` that are not among ``train`` (by question)."""
-    rng = random.Random(seed)
-    seen = {p.question for p in train}
-    return synth.held_out(lambda: generate_problem(rng, cfg), n, seen, lambda p: p.question)
-
-
 def write_dataset(
     out: Path, n_train: int, n_test: int, seed: int, task: TaskConfig | None = None
 ) -> dict[str, int]:
-    """Write ``train.parquet``, ``test.parquet`` (none of its problems in the train split)
-    and ``tools.yaml`` into ``out``."""
-    train = generate_problems(split_seed(seed, "train"), n_train, task)
-    test = held_out_problems(split_seed(seed, "test"), n_test, train, task)
-    rows = {
-        split: [make_row(p, split, i, seed) for i, p in enumerate(problems)]
-        for split, problems in (("train", train), ("test", test))
-    }
-    return synth.write_dataset(out, rows, tool_config())
+    """Write the code interpreter's problems: ``train.parquet``, ``test.parquet`` (none of the train split's) and
+    ``tools.yaml``, into ``out``."""
+    counts = (n_train, n_test)
+    splits = synth.split_problems(
+        generate_problems, generate_problem, split_seed, seed, counts, task
+    )
+    return synth.write_dataset(
+        out, splits, lambda p, split, i: make_row(p, split, i, seed), tool_config()
+    )

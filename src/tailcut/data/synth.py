@@ -115,16 +115,45 @@ def held_out(
     return out
 
 
+def held_out_problems(
+    draw: Callable[[random.Random], Any], seed: int, n: int, train: Sequence[Any]
+) -> list[Any]:
+    """``n`` problems ``draw`` makes from a generator seeded with ``seed``, none of them
+    among ``train`` (by ``question``)."""
+    rng = random.Random(seed)
+    seen = {p.question for p in train}
+    return held_out(lambda: draw(rng), n, seen, lambda p: p.question)
+
+
+def split_problems(
+    generate_problems: Callable[[int, int, Any], Sequence[Any]],
+    generate_problem: Callable[[random.Random, Any], Any],
+    split_seed: Callable[[int, str], int],
+    seed: int,
+    counts: tuple[int, int],
+    cfg: Any,
+) -> dict[str, Sequence[Any]]:
+    """A task's train split and a test split drawn apart from it (each from its own seed)."""
+    train = generate_problems(split_seed(seed, "train"), counts[0], cfg)
+    draw = lambda rng: generate_problem(rng, cfg)  # noqa: E731
+    test = held_out_problems(draw, split_seed(seed, "test"), counts[1], train)
+    return {"train": train, "test": test}
+
+
 def write_dataset(
-    out: Path, rows: Mapping[str, list[dict[str, Any]]], tools_yaml: Mapping[str, Any]
+    out: Path,
+    splits: Mapping[str, Sequence[Any]],
+    make_row: Callable[[Any, str, int], dict[str, Any]],
+    tools_yaml: Mapping[str, Any],
 ) -> dict[str, int]:
-    """Write ``train.parquet`` and ``test.parquet`` (``rows[split]``) and ``tools.yaml`` into
-    ``out``; return the row counts."""
+    """Write ``train.parquet`` and ``test.parquet`` (``make_row(problem, split, index)`` of
+    each of ``splits[split]``) and ``tools.yaml`` into ``out``; return the row counts."""
     import yaml
 
     from tailcut.data.verl import write_rows
 
     out = Path(out)
+    rows = {split: [make_row(p, split, i) for i, p in enumerate(splits[split])] for split in SPLITS}
     for split in SPLITS:
         write_rows(rows[split], out / f"{split}.parquet")
     (out / "tools.yaml").write_text(
