@@ -148,6 +148,18 @@ def test_a_rollout_correction_against_temperature_1_logprobs_is_refused(
         load_train_config(None, ["engine.kind=hf", *overrides])
 
 
+SGLANG = ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]", "cutoff.aborted=partial"]
+
+
+def test_a_rollout_correction_against_logprobs_without_the_nucleus_is_refused() -> None:
+    """SGLang's log-probs are scaled by the temperature but not cut to the top-p nucleus the
+    token was drawn from: μ would be too small by the nucleus' mass on every token."""
+    with pytest.raises(ConfigError, match=r"=scaled leaves out the nucleus agent\.top_p=0\.9"):
+        load_train_config(None, [*SGLANG, "agent.top_p=0.9"])
+    for fine in (["agent.top_p=1.0"], ["agent.top_p=0.9", "algo.rollout_correction=none"]):
+        assert load_train_config(None, [*SGLANG, *fine]).cutoff.aborted == "partial"
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -439,7 +439,15 @@ class TrainConfig(_Model):
         dist = self.engine.logprob_distribution
         field = "engine.hf.logprobs" if self.engine.kind == "hf" else "engine.remote.logprobs"
         if a.old_logprobs == "recompute":
-            if a.rollout_correction != "none" and dist == "raw" and ag.temperature != 1:
+            off = None
+            if dist == "raw" and ag.temperature != 1:
+                off = (
+                    f"{field}=raw gives temperature-1 log-probs, sampled at "
+                    f"agent.temperature={ag.temperature}"
+                )
+            elif dist == "scaled" and ag.top_p < 1:
+                off = f"{field}=scaled leaves out the nucleus agent.top_p={ag.top_p} sampled from"
+            if a.rollout_correction != "none" and off is not None:
                 hint = (
                     " (vLLM: --logprobs-mode processed_logprobs)"
                     if self.engine.kind == "vllm"
@@ -448,9 +456,9 @@ class TrainConfig(_Model):
                 raise ValueError(
                     f"algo.rollout_correction: {a.rollout_correction!r} (the default with "
                     "cutoff.aborted=partial or cutoff.long_rounds) weighs each token by "
-                    f"π_old/μ, μ the distribution the engine sampled from; {field}=raw gives "
-                    f"temperature-1 log-probs, sampled at agent.temperature={ag.temperature}: "
-                    f"use {field}=sampled{hint}, or algo.rollout_correction=none"
+                    f"π_old/μ, μ the distribution the engine sampled from; {off}: use "
+                    f"{field}=sampled{hint} where the engine gives it, or "
+                    "algo.rollout_correction=none"
                 )
             return
         if a.rollout_correction != "none":
