@@ -179,7 +179,7 @@ def test_an_update_waits_for_running_requests_and_new_ones_wait_for_it() -> None
 
 SGLANG_RECIPE = textwrap.dedent(
     """
-    import datetime, sys, torch
+    import datetime, os, sys, torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import (
         PrefixStore, _new_process_group_helper, _world, rendezvous)
@@ -192,7 +192,8 @@ SGLANG_RECIPE = textwrap.dedent(
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
     t = torch.empty(3, 5, dtype=torch.bfloat16)
     dist.broadcast(t, src=0, group=pg)
-    print(repr(t.float().sum().item()))
+    print(repr(t.float().sum().item()), flush=True)
+    os._exit(0)  # no C++ teardown: gloo's threads may abort() it ("terminate called ...")
     """
 )
 
