@@ -208,6 +208,7 @@ def main() -> None:
                 results[case] = run_case(case, ranks)
         if ranks.is_main:
             torch.save(results, args.out)
+        ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
     finally:
         close(ranks)
 

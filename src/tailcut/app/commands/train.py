@@ -79,6 +79,7 @@ def train(
             console = Console(quiet=True)
         fault = fault_from_env()
         summary = run_until_signal(lambda: _run(cfg, console, fault, ranks))
+        ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
     finally:
         close(ranks)
     _print_summary(console, summary)
