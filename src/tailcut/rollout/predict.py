@@ -152,21 +152,22 @@ def prompt_key(sample: Sample) -> object:
         return key
     messages = sample.data.get("messages", sample.data.get("prompt"))
     if messages is not None:
-        text = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
-        return ("ids", hashlib.blake2b(text.encode(), digest_size=16).digest())
-    return ("ids", hashlib.blake2b(sample.prompt_ids.tobytes(), digest_size=16).digest())
+        raw = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str).encode()
+    else:
+        raw = sample.prompt_ids.tobytes()
+    return ("digest", hashlib.blake2b(raw, digest_size=16).digest())
 
 
 def _json_key(key: object) -> object:
-    """A :func:`prompt_key` as JSON: a digest of prompt tokens as hex, a row's id as it is."""
+    """A :func:`prompt_key` as JSON: a digest as hex, a row's id as it is."""
     if isinstance(key, tuple):
-        return {"ids": key[1].hex()}
+        return {"digest": key[1].hex()}
     return int(key) if isinstance(key, numbers.Integral) else key
 
 
 def _key_of(raw: object) -> object:
     """The :func:`prompt_key` that :func:`_json_key` wrote as ``raw``."""
-    return ("ids", bytes.fromhex(raw["ids"])) if isinstance(raw, dict) else raw
+    return ("digest", bytes.fromhex(raw["digest"])) if isinstance(raw, dict) else raw
 
 
 @dataclass

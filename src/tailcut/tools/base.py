@@ -11,9 +11,10 @@ releases what it created — also when the trajectory is cancelled by a cut.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
@@ -101,17 +102,9 @@ class ToolSet:
 
     async def aclose(self) -> None:
         """Close tools that hold run-wide resources (HTTP sessions, worker processes):
-        those with an ``aclose()`` method."""
-        errors: list[Exception] = []
-        for tool in self.tools.values():
-            closer = getattr(tool, "aclose", None)
-            try:
-                if closer is not None:
-                    await closer()
-            except Exception as exc:  # the others are still closed
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        those with an ``aclose()`` method, each even when one before it raises."""
+        closers = [getattr(tool, "aclose", None) for tool in self.tools.values()]
+        await _each([c for c in closers if c is not None])
 
     @asynccontextmanager
     async def session(
@@ -193,16 +186,22 @@ class ToolSession:
         """Release every tool created in this session (a creation still running once it
         ends); a release that raises does not keep the others from theirs: the first error
         is raised after all of them."""
-        errors: list[Exception] = []
-        for name in reversed(self.created):
-            creation = self._creations.get(name)
-            if creation is not None:
-                await asyncio.gather(creation, return_exceptions=True)
-            try:
-                await self.toolset.tools[name].release(self.instance_id)
-            except Exception as exc:
-                errors.append(exc)
+        tools = [self.toolset.tools[name] for name in reversed(self.created)]
+        running = list(self._creations.values())
         self.created.clear()
         self._creations.clear()
-        if errors:
-            raise errors[0]
+        await asyncio.gather(*running, return_exceptions=True)
+        await _each([functools.partial(tool.release, self.instance_id) for tool in tools])
+
+
+async def _each(calls: Sequence[Callable[[], Awaitable[None]]]) -> None:
+    """Await every call in order; one that raises does not keep the others from running:
+    the first error is raised after all of them."""
+    errors: list[Exception] = []
+    for call in calls:
+        try:
+            await call()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]

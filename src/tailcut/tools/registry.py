@@ -22,7 +22,6 @@ import importlib
 import inspect
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,13 +138,18 @@ def build_toolset(raw: Any, *, source: str = "tool config") -> ToolSet:
     return ToolSet(tools, limits)
 
 
-def _limits(config: Mapping[str, Any], where: str) -> ToolLimits:
+def _check_native(config: Mapping[str, Any], where: str) -> None:
     kind = config.get("type", "native")
     if kind != "native":
         raise ToolConfigError(
             f"{where}.config.type: only 'native' tools are supported, got {kind!r}"
         )
-    timeout, concurrency = ToolLimits().timeout_s, ToolLimits().max_concurrency
+
+
+def _limits(config: Mapping[str, Any], where: str, default: ToolLimits) -> ToolLimits:
+    """``default`` (the tool's :func:`~tailcut.tools.base.default_limits`) with what the
+    config sets instead."""
+    timeout, concurrency = default.timeout_s, default.max_concurrency
     for key in ("timeout", "max_concurrency"):
         if key not in config:
             continue
@@ -215,7 +219,7 @@ def _instantiate(
 
 def _build_one(entry: ToolEntry, where: str) -> tuple[Tool, ToolLimits]:
     cls = resolve_class(entry.class_name, where)
-    lim = _limits(entry.config, where)
+    _check_native(entry.config, where)
     tool_config = {k: v for k, v in entry.config.items() if k not in TOOLSET_KEYS}
     schema = entry.tool_schema.model_dump(exclude_none=True) if entry.tool_schema else None
     tool = _instantiate(cls, tool_config, schema, where)
@@ -228,15 +232,9 @@ def _build_one(entry: ToolEntry, where: str) -> tuple[Tool, ToolLimits]:
             f"{where}.tool_schema.function.name: {schema['function']['name']!r} does not match "
             f"the tool's own name {tool.name!r}"
         )
-    default = default_limits(tool)
-    if "max_concurrency" not in entry.config:
-        lim = replace(lim, max_concurrency=default.max_concurrency)
+    lim = _limits(entry.config, where, default_limits(tool))
     bound = longest_run_s(tool)
-    if bound is None:
-        return tool, lim
-    if "timeout" not in entry.config:
-        return tool, replace(lim, timeout_s=default.timeout_s)
-    if lim.timeout_s <= bound:
+    if bound is not None and "timeout" in entry.config and lim.timeout_s <= bound:
         raise ToolConfigError(
             f"{where}.config.timeout: {lim.timeout_s:g} s is not above the longest run the tool "
             f"allows itself ({bound:g} s): its own time-out, and the output a program had, "

@@ -294,8 +294,8 @@ class Actor:
         every real row, once per epoch) and the model FLOPs that took, the dense-transformer
         count (6·N per token forward and backward, 2·N per token of a forward-only pass: the
         π_old scoring pass when one ran, the reference model's once per epoch when
-        ``kl_coef`` > 0; attention's quadratic part left out). Over the update's seconds (the trainer's
-        ``perf/train_tflops_per_s``), over the device's peak: the MFU."""
+        ``kl_coef`` > 0; attention's quadratic part left out). Over the update's seconds
+        (the trainer's ``perf/train_tflops_per_s``), over the device's peak: the MFU."""
         tokens = float((t.prompt_lens[real] + t.response_lens[real]).sum()) if real else 0.0
         n = float(self.n_params)
         passes = (6.0 + 2.0 * (self.ref is not None)) * self.cfg.epochs + 2.0 * scored

@@ -71,9 +71,8 @@ def run(
         assert main is not None  # SIGTERM cancels the run once, like Ctrl-C
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: main.cancelling() or main.cancel())
-        if fusion:
-            cfg = fusion
-            async with SandboxFusionClient(cfg) as client:
+        if fusion is not None:
+            async with SandboxFusionClient(fusion) as client:
                 return await client.run(code, stdin=data)
         box = LocalSandbox(SandboxConfig(timeout_s=timeout, memory_mb=memory_mb))
         return await box.run(code, stdin=data)
