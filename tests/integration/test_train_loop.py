@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from train_fixtures import read_jsonl, tiny_config, tiny_setup, train_killed, train_tiny
 
-from tailcut.train.trainer import Trainer
+from tailcut.train.trainer import Trainer, latest_states
 from tailcut.vtime import run_virtual
 
 pytestmark = pytest.mark.slow
@@ -126,3 +126,11 @@ def test_a_resumed_run_schedules_with_the_lengths_learned_before(
     resumed, _ = train_tiny(cfg, chat_tokenizer)
     want, got = (t.workers.workers[0].admission.schedule.predictor for t in (full, resumed))
     assert (got.level, got.sigma_within) == (want.level, want.sigma_within)
+
+
+def test_a_lost_worker_keeps_its_last_predictor_state() -> None:
+    """A round in which a worker was lost (``cutoff.tolerate_worker_loss``) brings None for
+    its predictor; the checkpoint keeps what that worker had learned before."""
+    before = [{"level": 1.0}, {"level": 2.0}]
+    assert latest_states(before, [{"level": 3.0}, None]) == [{"level": 3.0}, {"level": 2.0}]
+    assert latest_states([], [None, {"level": 4.0}]) == [None, {"level": 4.0}]

@@ -499,7 +499,7 @@ class Trainer:
         assert self.workers is not None, "run() starts the rollout workers"
         plan = plan_for_policy(run_policy, [s.group for s in samples], self.workers.n_workers)
         result = await self.workers.run_step(step, plan, samples)
-        self.predictor_states = result.predictor_states  # every round teaches them
+        self.predictor_states = latest_states(self.predictor_states, result.predictor_states)
         if learn and not uncut:  # the policy that ran (a Ray worker's copy comes back)
             self.policy_state = (plan.coordinator_policy or plan.policies[0]).state_dict()
         return result
@@ -621,3 +621,15 @@ def _rates(metrics: dict[str, float], train_s: float) -> dict[str, float]:
         out["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / train_s
         out["perf/train_tflops_per_s"] = metrics["perf/train_flops"] / train_s / 1e12
     return out
+
+
+def latest_states(
+    previous: Sequence[dict[str, Any] | None], new: Sequence[dict[str, Any] | None]
+) -> list[dict[str, Any] | None]:
+    """Each worker's predictor state after a round (every round teaches them): the round's,
+    or the one before where the round brought none (a worker lost under
+    ``cutoff.tolerate_worker_loss``), so that a checkpoint never forgets what it learned."""
+    return [
+        state if state is not None else (previous[i] if i < len(previous) else None)
+        for i, state in enumerate(new)
+    ]
