@@ -3,9 +3,9 @@
 Standard library only: it runs before any site packages are importable. The parent
 (:mod:`tailcut.tools.sandbox`) passes a JSON spec and an "info" pipe; this process
 
-1. joins the cgroups the parent prepared (pids, memory; if any) and becomes a child
+1. joins the cgroups the parent prepared (pids, memory; if any), becomes a child
    subreaper, so every orphan of the program is re-parented here instead of escaping
-   to init;
+   to init, and watches its owner (:func:`watch_owner`): it dies with the owner process;
 2. enters new network / pid / mount / IPC namespaces where the kernel allows (as root
    directly, otherwise through a new user namespace) and records what it could not do;
 3. in the mount namespace: one size-capped tmpfs (the disk quota) holds a copy of the
@@ -45,6 +45,9 @@ PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS =
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 HIDDEN_DIRS = ("/run", "/var/run")
 NO_REMOUNT = ("/proc", "/sys", "/dev")
+OWNER_GONE = signal.SIGUSR1
+"""This process's parent-death signal. Linux sends it when the *thread* that forked us
+exits, not only when the owner process does, so it must be one we can catch and check."""
 NAMESPACES = (
     ("net", CLONE_NEWNET),
     ("pid", CLONE_NEWPID),
@@ -371,6 +374,7 @@ def become_user(uid: int | None, gid: int | None) -> None:
 def run_child(spec: dict, notes: dict, info_fd: int) -> None:
     """In the forked child: never returns."""
     try:
+        signal.signal(OWNER_GONE, signal.SIG_DFL)  # the supervisor's watch is not ours
         if notes.get("pid") is True and notes.get("mount") is True:
             _call("unshare", CLONE_NEWNS)  # own /proc, without changing the launcher's
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
@@ -435,12 +439,32 @@ def start_time(pid: int) -> int:
         return int(f.read().rsplit(b")", 1)[1].split()[19])
 
 
+def watch_owner(owner_pid: int) -> None:
+    """Die (SIGKILL, as ever: the program's own parent-death signal follows) once the
+    owner process is gone.
+
+    The parent-death signal comes when the thread that forked us exits: an event loop
+    driven from one thread and later from another (``run_until_complete`` from whichever
+    thread calls in) must not lose its runs to the first thread's exit. Then we were
+    re-parented to another thread of the owner, so ``getppid()`` still names it; each
+    further exit sends the signal again, the last one with us re-parented away from it.
+    """
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        if os.getppid() == owner_pid:
+            return  # only a thread of the owner exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    signal.signal(OWNER_GONE, on_signal)
+    _prctl(PR_SET_PDEATHSIG, OWNER_GONE)
+
+
 def prepare(spec: dict, notes: dict) -> None:
     for cgroup in spec["cgroups"]:
         _write(os.path.join(cgroup, "cgroup.procs"), str(os.getpid()))
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != spec["parent_pid"]:
+    watch_owner(spec["parent_pid"])
+    if os.getppid() != spec["parent_pid"]:  # gone before the watch began
         raise SetupError("the sandbox's owner exited before it started")
     enter_namespaces(spec["namespaces"], notes)
     missing = [ns for ns in spec.get("require", []) if notes.get(ns) is not True]
