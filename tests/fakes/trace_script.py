@@ -83,8 +83,11 @@ def write_step(
     step_end: float,
     cut: float | None = None,
     worker: int = 0,
+    global_target: tuple[int, int] | None = None,
 ) -> Path:
-    """Write ``run_dir/step_{step}/worker_{worker}.jsonl``; return its path."""
+    """Write ``run_dir/step_{step}/worker_{worker}.jsonl``; return its path.
+    ``global_target``: (target, launched) of the coordinator of a step cut over all
+    workers, recorded on the monitoring event."""
     clock = _Clock()
     tracer = Tracer.for_step(run_dir, step, worker, clock)
     events = [e for i, r in enumerate(reqs) for e in _request_events(i, r)]
@@ -100,7 +103,9 @@ def write_step(
                 {"reason": "target", "done": done, "launched": n},
             )
         )
-    mon = {"total_requests": n, "target_completion": n, "completed_count": 0}
+    mon: dict[str, Any] = {"total_requests": n, "target_completion": n, "completed_count": 0}
+    if global_target is not None:
+        mon["global_target"], mon["global_launched"] = global_target
     events.append(
         (
             step_end,

@@ -170,6 +170,21 @@ def test_a_global_cut_is_replayed_at_what_it_kept(tmp_path):
     assert (played["launched"], played["kept"]) == (8, 4)
 
 
+def test_a_recorded_global_target_is_what_a_global_cut_is_replayed_at(tmp_path):
+    # the coordinator waited for 3 of the 8 launched; a fourth request finished in the race
+    # with the cut: what the step kept is no longer what it aimed for
+    for worker, done in ((0, 3), (1, 1)):
+        reqs = [Req(end=1.0 + 0.2 * k, turns=[(0.0, 0.5 + 0.2 * k, None)]) for k in range(done)]
+        reqs += [Req(end=2.0, status="aborted", turns=[(0.0, 9.0, None)])] * (4 - done)
+        write_step(tmp_path, 1, reqs, step_end=2.0, cut=2.0, worker=worker, global_target=(3, 8))
+    (step,) = plan_replay(load_run(tmp_path)).steps
+    assert step.cut and len(step.requests) == 8 and step.target == 3
+    result = _invoke(str(tmp_path), "--policy", "target-count", "--warmup-steps", "0", "--json")
+    assert result.exit_code == 0, result.output
+    (played,) = json.loads(result.stdout)["bench"]["steps"]
+    assert (played["launched"], played["kept"]) == (8, 3)
+
+
 def test_a_step_without_requests_is_skipped_with_a_warning(tmp_path):
     reqs = [Req(end=1.0 + k, turns=[(0.0, 0.5 + k, None)]) for k in range(3)]
     write_step(tmp_path, 1, reqs, step_end=3.0)
@@ -227,3 +242,65 @@ def test_the_fit_counts_what_a_continued_turns_call_decoded(traces, tmp_path):
     assert want is not None and fit is not None and fit.r2 > 0.99
     assert fit.decode_a_s == pytest.approx(want.decode_a_s, rel=0.02)
     assert fit.decode_c_s == pytest.approx(want.decode_c_s, rel=0.02)
+
+
+def _record_two_workers(root: Path, shared: bool) -> list[float]:
+    """Two wait-all steps of 256 seed-gsm8k requests on two local workers: each on its own
+    simulated engine, or both on one; the recorded step times."""
+    from tailcut.bench.workloads import make_samples
+    from tailcut.config import CutoffConfig
+    from tailcut.engine.sim import SimEngine
+    from tailcut.rollout.cutoff import WaitAll
+    from tailcut.rollout.recipes import SimRecipe
+    from tailcut.rollout.scripted import ScriptedRollout
+    from tailcut.rollout.workers import LocalWorkers, SharedRecipe, plan_for_policy
+    from tailcut.vtime import run_virtual
+
+    async def main() -> list[float]:
+        recipe = SharedRecipe(SimEngine(ENGINE), ScriptedRollout()) if shared else SimRecipe(ENGINE)
+        pool = LocalWorkers(CutoffConfig(policy="wait-all"), recipe, 2, root)
+        times = []
+        try:
+            for k in range(2):
+                samples = make_samples(get_workload("seed-gsm8k", 0).trajectories(k, 256, G))
+                plan = plan_for_policy(WaitAll(256, G), [x.group for x in samples], 2)
+                times.append((await pool.run_step(k, plan, samples)).step_time_s)
+        finally:
+            await pool.aclose()
+        return times
+
+    return run_virtual(main())
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["an-engine-each", "one-engine"])
+def test_the_fit_of_several_workers_is_the_one_engine_the_replay_plays_their_steps_on(
+    tmp_path, shared
+):
+    """The replay plays a whole step on one simulated engine, so the fit counts the calls
+    in flight over every worker: two workers on two engines are fitted the one engine that
+    serves both engines' load (half the per-sequence cost), two on one engine that engine;
+    either way the replayed step takes what the recorded one took. Fitting each worker on
+    its own would charge a shared engine's contention to half its calls (twice the cost)."""
+    import dataclasses
+
+    recorded = _record_two_workers(tmp_path, shared)
+    steps = load_run(tmp_path)
+    assert {r.worker for s in steps for r in s.requests} == {0, 1}
+    engines = 1 if shared else 2
+    fit = fit_decode(steps)
+    assert fit is not None and fit.r2 > 0.99
+    assert fit.decode_a_s == pytest.approx(ENGINE.decode_a_s, rel=0.05)
+    assert fit.decode_c_s == pytest.approx(ENGINE.decode_c_s / engines, rel=0.1)
+    for worker in (0, 1):
+        alone = [
+            dataclasses.replace(s, requests=[r for r in s.requests if r.worker == worker])
+            for s in steps
+        ]
+        own = fit_decode(alone)
+        assert own is not None
+        assert own.decode_c_s == pytest.approx(ENGINE.decode_c_s * (2 if shared else 1), rel=0.15)
+    report = run_replay(
+        plan_replay(steps), fit, policies=("wait-all",), target_fraction=1.0, warmup_steps=0
+    )
+    replayed = [s.step_time_s for s in report.steps]
+    assert replayed == pytest.approx(recorded, rel=0.03)

@@ -8,13 +8,22 @@ import asyncio
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from tailcut.bench.workloads import Trajectory, TurnSpec, make_samples
 from tailcut.config import SimEngineConfig
 from tailcut.engine.sim import SimEngine
 from tailcut.rollout.cutoff import TargetCount
 from tailcut.rollout.scheduler import run_step
 from tailcut.rollout.scripted import ScriptedRollout
-from tailcut.trace.events import SCHEMA, STEP_EVENTS, TERMINAL_EVENTS, EventKind, read_trace
+from tailcut.trace.events import (
+    SCHEMA,
+    STEP_EVENTS,
+    TERMINAL_EVENTS,
+    EventKind,
+    TraceSchemaError,
+    read_trace,
+)
 from tailcut.trace.schema import Dialect, detect_dialect, validate_record
 from tailcut.vtime import run_virtual
 
@@ -92,3 +101,17 @@ def test_the_docs_describe_every_event_kind_and_the_schema():
     assert SCHEMA in text
     for kind in EventKind:
         assert f"`{kind.value}`" in text, kind
+
+
+def test_a_monitoring_event_holds_both_global_target_fields_or_neither(tmp_path):
+    records = _traced_cut_step(tmp_path)
+    (mon,) = [r for r in records if r["event"] == EventKind.STEP_MONITORING]
+    assert "global_target" not in mon["extra"]  # a step its own policy cut
+    ok = {**mon, "extra": {**mon["extra"], "global_target": 6, "global_launched": 16}}
+    assert validate_record(ok, "x") is EventKind.STEP_MONITORING
+    for bad in ({"global_target": 6}, {"global_launched": 16},
+                {"global_target": "6", "global_launched": 16},
+                {"global_target": 6, "global_launched": -1}):  # fmt: skip
+        rec = {**mon, "extra": {**mon["extra"], **bad}}
+        with pytest.raises(TraceSchemaError, match="global_target"):
+            validate_record(rec, "x")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +22,10 @@ from tailcut.rollout.workers import (
     split_at_groups,
     split_offsets,
 )
-from tailcut.types import FinishReason, Sample, Status
+from tailcut.trace.events import EventKind, read_trace
+from tailcut.trace.load import load_run
+from tailcut.trace.replay import plan_replay
+from tailcut.types import FINISHED, FinishReason, Sample, Status
 from tailcut.vtime import run_virtual
 
 ENGINE = SimEngineConfig(decode_a_s=0.01, decode_c_s=0.0, prefill_s_per_token=0.0)
@@ -286,3 +291,78 @@ def test_a_cut_for_an_earlier_launch_does_not_cut_the_next():
 
     second = run_virtual(main())
     assert second.result.cut_reason is None and second.result.completed == 2
+
+
+# -- the trace of a step cut over all workers ----------------------------------------------
+
+
+def _global_group_quota(run_dir: Path, launches: int = 1) -> list:
+    """Step 0 under group-quota, cut over 2 workers (the hard one slow), traced to ``run_dir``;
+    ``launches`` > 1 launches step 0 again (another launch round, its own round file)."""
+    cfg = CutoffConfig(policy="group-quota", over_provision=0.5, scope="global")
+
+    async def main():
+        pool = LocalWorkers(cfg, SimRecipe(ENGINE), 2, run_dir)
+        runs = []
+        try:
+            for _ in range(launches):
+                plan = pool.plan(16, 4)
+                samples = _skewed(plan.n_launch, 2, hard_worker=1, group_size=4)
+                runs.append((plan, await pool.run_step(0, plan, samples)))
+        finally:
+            await pool.aclose()
+        return runs
+
+    return run_virtual(main())
+
+
+def _monitoring(path: Path) -> dict:
+    (extra,) = [r["extra"] for r in read_trace(path) if r["event"] == EventKind.STEP_MONITORING]
+    return extra
+
+
+def test_a_global_cut_records_the_coordinators_target_in_every_workers_trace(tmp_path):
+    ((plan, res),) = _global_group_quota(tmp_path)
+    target = plan.coordinator_policy.target_completion
+    assert res.cut_reason == "target" and (target, plan.n_launch) == (16, 24)
+    for r in range(2):
+        share = plan.offsets[r + 1] - plan.offsets[r]
+        mon = _monitoring(tmp_path / "step_0" / f"worker_{r}.jsonl")
+        assert (mon["global_target"], mon["global_launched"]) == (target, plan.n_launch)
+        assert mon["target_completion"] == mon["total_requests"] == share  # its own share
+    # the replay takes the recorded target, not what finished (more than it: group-quota
+    # keeps whole groups only, and results that raced the cut finish too)
+    (step,) = load_run(tmp_path)
+    finished = sum(r.status in FINISHED for r in step.requests)
+    assert step.cut_time is not None and finished > target
+    (replayed,) = plan_replay([step]).steps
+    assert replayed.cut and replayed.target == target
+
+
+def test_a_global_trace_from_before_the_recorded_target_is_replayed_at_what_it_kept(tmp_path):
+    _global_group_quota(tmp_path)
+    for path in (tmp_path / "step_0").glob("*.jsonl"):  # as written before the fields
+        lines = []
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            rec["extra"].pop("global_target", None)
+            rec["extra"].pop("global_launched", None)
+            lines.append(json.dumps(rec))
+        path.write_text("\n".join(lines) + "\n")
+    (step,) = load_run(tmp_path)
+    (replayed,) = plan_replay([step]).steps
+    assert replayed.target == sum(r.status in FINISHED for r in step.requests) > 16
+
+
+def test_each_launch_round_of_a_global_step_records_its_own_target(tmp_path):
+    runs = _global_group_quota(tmp_path, launches=2)
+    for name in (
+        "worker_0.jsonl",
+        "worker_1.jsonl",
+        "worker_0.round1.jsonl",
+        "worker_1.round1.jsonl",
+    ):
+        assert _monitoring(tmp_path / "step_0" / name)["global_target"] == 16
+    (step,) = load_run(tmp_path)
+    assert step.rounds == 2 and len(step.requests) == sum(p.n_launch for p, _ in runs) == 48
+    assert plan_replay([step]).steps[0].target == 32  # 16 a round

@@ -130,6 +130,25 @@ class WaitAll(CutoffPolicy):
         return sum(s.status in FINISHED for s in samples)
 
 
+class GlobalShare(WaitAll):
+    """One worker's share of a step that a coordinator cuts over every worker (cut-off
+    scope global, ``rollout/workers.py``): it never cuts by itself and keeps every usable
+    sample of its share; the coordinator's policy decides the cut and what the step keeps.
+
+    It knows that policy's target over the whole step (``global_target``) and the step's
+    launches over all workers (``global_launched``), which the worker's trace records next
+    to its own never-cutting target (docs/traces.md)."""
+
+    name = "global-share"
+
+    def __init__(
+        self, n_launch: int, global_target: int, global_launched: int, group_size: int = 1
+    ) -> None:
+        super().__init__(n_launch, group_size)
+        self.global_target = global_target
+        self.global_launched = global_launched
+
+
 class TargetCount(CutoffPolicy):
     """Launch N, keep the first K = int(N·(1−r)) usable samples, abort the rest."""
 

@@ -37,7 +37,7 @@ from tailcut.engine.base import (
     EngineStats,
     EngineView,
 )
-from tailcut.rollout.cutoff import CutoffPolicy, StepFeedback
+from tailcut.rollout.cutoff import CutoffPolicy, GlobalShare, StepFeedback
 from tailcut.rollout.gc_pause import gc_paused
 from tailcut.rollout.refill import Refill
 from tailcut.rollout.state import is_terminal, transition
@@ -434,6 +434,14 @@ async def _settle(step: _StepRun, tasks: list[asyncio.Task[None]]) -> None:
                 task.cancel()
 
 
+def _global_target(policy: CutoffPolicy) -> dict[str, int]:
+    """What the coordinator of a step cut over all workers aimed for (traced on each
+    worker's monitoring event); nothing for a step this worker's own policy cuts."""
+    if not isinstance(policy, GlobalShare):
+        return {}
+    return {"global_target": policy.global_target, "global_launched": policy.global_launched}
+
+
 def _result(
     step: _StepRun,
     rounds: int,
@@ -456,6 +464,7 @@ def _result(
         total_requests=len(step.samples),
         target_completion=step.policy.target_completion,
         completed_count=counts.get(Status.COMPLETED, 0) + counts.get(Status.TRUNCATED, 0),
+        **_global_target(step.policy),
     )
     step.tracer.emit(EventKind.STEP_TOTAL, None, duration_sec=loop_now - step.t0)
     step.tracer.flush()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tailcut.config import CutoffConfig
-from tailcut.rollout.cutoff import CutoffPolicy, WaitAll, make_policy
+from tailcut.rollout.cutoff import CutoffPolicy, GlobalShare, make_policy
 
 
 def split_offsets(n_launch: int, workers: int, group_size: int) -> list[int]:
@@ -34,7 +34,8 @@ class WorkerPlan:
     n_launch: int
     offsets: list[int]
     policies: list[CutoffPolicy]
-    """One per worker: its own policy (scope worker) or a never-cutting one (global)."""
+    """One per worker: its own policy (scope worker) or a never-cutting
+    :class:`GlobalShare` of the coordinator's step (global)."""
     coordinator_policy: CutoffPolicy | None
 
 
@@ -49,8 +50,7 @@ def plan_step(
         offsets = split_offsets(policy.n_launch, workers, group_size)
         if workers == 1:
             return WorkerPlan(policy.n_launch, offsets, [policy], None)
-        locals_ = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
-        return WorkerPlan(policy.n_launch, offsets, list(locals_), policy)
+        return WorkerPlan(policy.n_launch, offsets, _shares(policy, offsets), policy)
     if n_target % (workers * group_size):
         raise ValueError(
             f"scope=worker: n_target {n_target} must split into whole groups of {group_size} "
@@ -99,5 +99,12 @@ def plan_for_policy(policy: CutoffPolicy, groups: Sequence[int], workers: int) -
     offsets = split_at_groups(groups, workers)
     if workers == 1:
         return WorkerPlan(policy.n_launch, offsets, [policy], None)
-    shares = [WaitAll(offsets[r + 1] - offsets[r]) for r in range(workers)]
-    return WorkerPlan(policy.n_launch, offsets, list(shares), policy)
+    return WorkerPlan(policy.n_launch, offsets, _shares(policy, offsets), policy)
+
+
+def _shares(policy: CutoffPolicy, offsets: Sequence[int]) -> list[CutoffPolicy]:
+    """Each worker's never-cutting share of a step that ``policy`` cuts over all workers."""
+    target, launched = policy.target_completion, policy.n_launch
+    return [
+        GlobalShare(offsets[r + 1] - offsets[r], target, launched) for r in range(len(offsets) - 1)
+    ]

@@ -10,10 +10,11 @@ Cut scope (``CutoffConfig.scope``):
 
 * ``worker``: every worker runs its own policy on its share (``n_target / W``) and stops
   at its own target (each worker's step ends when it is done).
-* ``global``: workers never cut by themselves; each completion goes to the
-  :class:`Coordinator`, which runs the configured policy over the whole step and tells
-  every worker to cut at once. Group-quota works across workers: a group lives on one
-  worker.
+* ``global``: workers never cut by themselves (each runs a ``GlobalShare`` of the step);
+  each completion goes to the :class:`Coordinator`, which runs the configured policy over
+  the whole step and tells every worker to cut at once. Group-quota works across workers:
+  a group lives on one worker. Each worker's trace records the coordinator's target
+  (``global_target`` and ``global_launched`` on its monitoring event).
 
 Samples are split in contiguous blocks of whole groups, so worker ``r`` holds global
 indices ``offsets[r] .. offsets[r+1]-1``. Samples are numbered once, by the caller, in

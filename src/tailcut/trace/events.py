@@ -75,6 +75,10 @@ REQUIRED_EXTRA: Mapping[EventKind, frozenset[str]] = {
     EventKind.STEP_TOTAL: frozenset(),
 }
 """Keys of ``extra`` each kind must carry in a tailcut trace (besides ``request_id``)."""
+GLOBAL_TARGET_EXTRA = ("global_target", "global_launched")
+"""Optional keys of a ``STEP_MONITORING`` event, both or neither: a worker's share of a step
+cut over all workers (cut-off scope global) records the coordinator's target and the step's
+launches over all workers (its own ``target_completion`` is its never-cutting share's)."""
 
 
 class TraceSchemaError(ValueError):

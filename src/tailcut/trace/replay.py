@@ -66,8 +66,9 @@ class RecordedStep:
     requests: list[Request]
     cut: bool
     target: int | None
-    """The completions the step waited for: its monitoring events' ``target_completion``,
-    summed; on a cut step where that is not below its launches, the requests it kept."""
+    """The completions the step waited for: per launch round the coordinator's recorded
+    ``global_target`` (scope global), else its workers' ``target_completion`` summed; on a
+    cut step where that is not below its launches, the requests it kept."""
 
 
 @dataclass(slots=True)
@@ -198,22 +199,29 @@ def _group(req: RequestTrace, position: int) -> int:
 
 
 def _target(step: StepTrace) -> int | None:
-    """The completions the step waited for: ``target_completion`` of its monitoring events,
-    summed over workers and rounds. On a cut step whose traced target is not below what it
-    launched, it is what the step kept (its finished requests): under cut-off scope global
-    each worker traces the target of its own never-cutting policy (all it launched) while
-    the coordinator's policy cut the step."""
-    targets = [
-        e.extra.get("target_completion")
-        for e in step.step_events
-        if e.kind is EventKind.STEP_MONITORING
-    ]
-    ints = [t for t in targets if isinstance(t, int)]
-    if not ints:
+    """The completions the step waited for, summed over its launch rounds. A round cut over
+    all workers (cut-off scope global) recorded its coordinator's target on every worker's
+    monitoring event (``global_target``): that one number is the round's. Otherwise the
+    round's is ``target_completion`` summed over its workers. A cut step whose target is not
+    below what it launched kept what finished (its finished requests): a deadline cut, or a
+    global-scope trace from before ``global_target`` was recorded, where each worker traced
+    the target of its own never-cutting policy (all it launched) while the coordinator cut."""
+    rounds: dict[int, list[int]] = {}
+    coordinated: dict[int, int] = {}
+    for e in step.step_events:
+        if e.kind is not EventKind.STEP_MONITORING:
+            continue
+        local, scope = e.extra.get("target_completion"), e.extra.get("global_target")
+        if isinstance(scope, int) and not isinstance(scope, bool):
+            coordinated[e.round] = scope
+        if isinstance(local, int) and not isinstance(local, bool):
+            rounds.setdefault(e.round, []).append(local)
+    if not rounds and not coordinated:
         return None
-    if step.cut_time is not None and sum(ints) >= len(step.requests):
+    target = sum(coordinated.get(k, sum(rounds.get(k, []))) for k in {*rounds, *coordinated})
+    if step.cut_time is not None and target >= len(step.requests):
         return sum(r.status in FINISHED for r in step.requests)
-    return sum(ints)
+    return target
 
 
 def plan_replay(steps: Sequence[StepTrace]) -> ReplayPlan:

@@ -2,8 +2,10 @@
 
 Three dialects (:class:`Dialect`, told apart per file by its first record; see
 docs/traces.md): tailcut's (``extra.schema`` on the first line, every kind's fields
-required), tailcut's before the marker (``workid`` a request label) and the reference
-profiler's (int ``workid``, no marker, few extras, event kinds tailcut does not know).
+required; a monitoring event's optional ``GLOBAL_TARGET_EXTRA`` both there or neither,
+non-negative ints), tailcut's before the marker (``workid`` a request label) and the
+reference profiler's (int ``workid``, no marker, few extras, event kinds tailcut does not
+know).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from tailcut.jsonl import read_jsonl
 from tailcut.trace.events import (
+    GLOBAL_TARGET_EXTRA,
     REQUIRED_EXTRA,
     SCHEMA,
     STEP_EVENTS,
@@ -103,6 +106,8 @@ def validate_record(
     missing = required - extra.keys()
     if missing:
         raise TraceSchemaError(f"{where}: event {kind.value} lacks extra keys {sorted(missing)}")
+    if dialect is Dialect.TAILCUT and kind is EventKind.STEP_MONITORING:
+        _check_global_target(extra, where)
     if dialect is not Dialect.LEGACY:
         rid = extra.get("request_id")
         if kind in STEP_EVENTS and rid is not None:
@@ -111,6 +116,20 @@ def validate_record(
         if kind not in STEP_EVENTS and not optional and not isinstance(rid, str):
             raise TraceSchemaError(f"{where}: event {kind.value} lacks a str extra.request_id")
     return kind
+
+
+def _check_global_target(extra: Mapping[str, Any], where: str) -> None:
+    present = [k for k in GLOBAL_TARGET_EXTRA if k in extra]
+    if not present:
+        return
+    values = [extra.get(k) for k in GLOBAL_TARGET_EXTRA]
+    if len(present) < len(GLOBAL_TARGET_EXTRA) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    ):
+        raise TraceSchemaError(
+            f"{where}: event {EventKind.STEP_MONITORING.value} needs both of "
+            f"{list(GLOBAL_TARGET_EXTRA)} as non-negative ints, or neither"
+        )
 
 
 def read_trace_file(path: Path) -> list[dict[str, Any]]:
