@@ -531,3 +531,25 @@ def test_a_forward_of_the_same_model_on_another_thread_is_left_alone(model: Any)
 
     run(model, body, slots=4, max_seq_len=256)
     assert errors == [] and seen["wrong"] == 0 and seen["calls"] > 0
+
+
+def test_a_decode_pass_writes_its_logits_where_the_graph_reads_them(model: Any) -> None:
+    """A decode pass given a buffer (a CUDA graph's logits) has the LM head write into it:
+    the logits returned are that buffer, equal to a pass that allocates its own."""
+
+    async def body(engine: HFEngine) -> None:
+        step = engine._worker._runner.decoder
+        step._stage.longs.zero_()  # token 0 at column 0 of free slots, as a capture feeds
+        cols = min(64, step.capacity)
+        with torch.inference_mode():  # as the engine's passes run
+            want = step._eager(4, cols).clone()
+            out = torch.full_like(want, float("nan"))
+            got = step._eager(4, cols, out)
+        assert got.data_ptr() == out.data_ptr() and got.stride() == out.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        head = engine._worker._runner._model.get_output_embeddings()
+        assert "forward" in vars(head)
+
+    run(model, body)
+    head = model.get_output_embeddings()
+    assert "forward" not in vars(head)  # the engine gave the model its own head back

@@ -52,9 +52,9 @@ def test_the_command_line_sets_each_switch_and_names_the_run_after_it(tmp_path: 
     out = tmp_path / "sweep.json"
     main([
         "random-tiny", "--batch", "2", "--max-new-tokens", "4", "--device", "cpu",
-        "--dtype", "float32", "--no-overlap", "--sample-kernel", "--no-release", "--out", str(out),
+        "--dtype", "float32", "--no-overlap", "--no-sample-kernel", "--no-release", "--out", str(out),
     ])  # fmt: skip
     figures = json.loads(out.read_text())
-    assert figures["model"] == "random-tiny (no overlap) (sampling kernel)"
-    assert figures["engine_options"] == {"overlap": False, "sample_kernel": True}
+    assert figures["model"] == "random-tiny (no overlap) (eager sampler)"
+    assert figures["engine_options"] == {"overlap": False, "sample_kernel": False}
     assert figures["batches"][0]["tokens"] == 8

@@ -166,7 +166,7 @@ async def measure_batch(
     return figures
 
 
-async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 40) -> dict[str, Any]:
+async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 200) -> dict[str, Any]:
     """One more run of the same requests under ``torch.profiler``: the device's busy time
     per decode pass (every kernel, graph replays included) beside the pass's wall time, and
     the kernels that take most of it — where a pass's time goes. On CUDA also the kernels
@@ -345,7 +345,7 @@ SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-fuse": ("fuse_projections", False, "unfused"),
     "--no-overlap": ("overlap", False, "no overlap"),
     "--no-decode-kernel": ("decode_kernel", False, "masked attention"),
-    "--sample-kernel": ("sample_kernel", True, "sampling kernel"),
+    "--no-sample-kernel": ("sample_kernel", False, "eager sampler"),
 }
 """Flags of :func:`main`: each sets one ``engine.hf`` option away from its default (and
 names the run after it)."""

@@ -50,6 +50,23 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return best
 
 
+def around_layers(model: Any) -> list[torch.nn.Module]:
+    """The text model's own modules a decode pass runs once around its layers: the rotary
+    embedding (``*RotaryEmbedding``: positions to cos/sin, ~8 eager kernels) and the final
+    norm (``norm``: ~6) — children of the module that holds the decoder layers."""
+    layers = decoder_layers(model)
+    for owner in model.modules():
+        children = dict(owner.named_children())
+        if any(isinstance(c, torch.nn.ModuleList) and list(c) == layers for c in children.values()):
+            return [
+                c
+                for name, c in children.items()
+                if type(c).__name__.endswith("RotaryEmbedding")
+                or (name == "norm" and type(c).__name__.endswith("Norm"))
+            ]
+    return []
+
+
 class CompiledLayers:
     """Gives each decoder layer of ``model`` a compiled ``forward`` that runs within
     :meth:`decoding` blocks on the thread that opened them (any other call — a prefill,
@@ -66,10 +83,11 @@ class CompiledLayers:
             "recompile_limit": 4 * len(self.layers),
             "accumulated_recompile_limit": 32 * len(self.layers),
         }
-        for layer in self.layers:
-            eager = layer.forward
+        self.modules = self.layers + around_layers(model)
+        for module in self.modules:
+            eager = module.forward
             compiled = torch.compile(eager, dynamic=True)
-            layer.forward = self._switch(eager, compiled)
+            module.forward = self._switch(eager, compiled)
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -97,6 +115,6 @@ class CompiledLayers:
         return forward
 
     def close(self) -> None:
-        for layer in self.layers:
-            if "forward" in vars(layer):
-                del layer.forward
+        for module in self.modules:
+            if "forward" in vars(module):
+                del module.forward

@@ -37,8 +37,9 @@ from tailcut.engine.hf.cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, SlotMasks], torch.Tensor]
-"""``forward(ids [rows, cols], positions [rows, cols], masks) -> last logits [rows, vocab]``."""
+Forward = Callable[[torch.Tensor, torch.Tensor, SlotMasks, torch.Tensor | None], torch.Tensor]
+"""``forward(ids [rows, cols], positions [rows, cols], masks, out) -> last logits [rows,
+vocab]`` (written into ``out [rows, vocab]`` where the LM head can: a view of it)."""
 
 MIN_WIDTH = 64
 
@@ -217,12 +218,12 @@ class DecodeStep:
                     self._capture(rows, cols)
         return len(self._graphs)
 
-    def _eager(self, rows: int, cols: int) -> torch.Tensor:
+    def _eager(self, rows: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
         inputs = self._stage.longs[:rows]
         ends = inputs[:, 0]
         self._cache.begin_decode(ends, cols)
         masks = SlotMasks.decode(ends, cols, self._cache.shape.dtype)
-        return self._forward(inputs[:, 1:], inputs[:, :1], masks)
+        return self._forward(inputs[:, 1:], inputs[:, :1], masks, out)
 
     def _capture(self, rows: int, cols: int) -> None:
         """Capture the pass for ``(rows, cols)`` on a side stream, after one eager warm-up
@@ -236,7 +237,10 @@ class DecodeStep:
                 self._eager(rows, cols)
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    self._logits[:rows].copy_(self._eager(rows, cols))
+                    out = self._logits[:rows]
+                    logits = self._eager(rows, cols, out)
+                    if logits.data_ptr() != out.data_ptr() or logits.stride() != out.stride():
+                        out.copy_(logits)  # a head that could not write there itself
                 finally:
                     graph.capture_end()
         except Exception:

@@ -71,7 +71,7 @@ class SlotWorker:
             compile_layers=graphs if cfg.compile_layers is None else cfg.compile_layers,
             fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
             decode_kernel=kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
-            sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=False),
+            sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=True),
         )  # fmt: skip
         self._overlap = graphs if cfg.overlap is None else cfg.overlap
         self._pending: tuple[Sampled, int] | None = None
