@@ -5,7 +5,8 @@ code launches its norms, rotary embeddings, activations and residual adds one el
 kernel at a time (about 30 beside the GEMMs and attention), and each costs its launch on
 the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compiles each
 decoder layer's own ``forward`` (``torch.compile``, inductor, dynamic batch) so that those
-run as a few fused kernels, and leaves eager the two places the engine owns:
+run as a few fused kernels — and so the two modules a pass runs once around the layers,
+the rotary embedding and the final norm (:func:`around_layers`) — and leaves eager the two places the engine owns:
 
 * the slot cache's store (an in-place write at each row's column: compiled, inductor
   turns it into a copy of the layer's whole cache), and
