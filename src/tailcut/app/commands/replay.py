@@ -175,8 +175,8 @@ def _render_summary(info: dict[str, Any], report: BenchReport) -> None:
         con.print("engine: too few timed engine calls to fit; simulator defaults", highlight=False)
     else:
         con.print(
-            f"engine fitted to {fit['calls']:,} engine calls (R² {fit['r2']:.3f}, mean batch "
-            f"{fit['mean_batch']:.0f})",
+            f"engine fitted to {fit['calls']:,} engine calls (R² {fit['r2']:.3f}, in flight "
+            f"{fit['mean_batch']:.0f} on average, all workers together)",
             highlight=False,
         )
     from tailcut.app.commands.bench import render
