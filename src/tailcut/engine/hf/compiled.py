@@ -6,7 +6,8 @@ kernel at a time (about 30 beside the GEMMs and attention), and each costs its l
 the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compiles each
 decoder layer's own ``forward`` (``torch.compile``, inductor, dynamic batch) so that those
 run as a few fused kernels — and so the two modules a pass runs once around the layers,
-the rotary embedding and the final norm (:func:`around_layers`) — and leaves eager the two places the engine owns:
+the rotary embedding and the final norm (:func:`around_layers`) — and leaves eager the
+two places the engine owns:
 
 * the slot cache's store (an in-place write at each row's column: compiled, inductor
   turns it into a copy of the layer's whole cache), and
@@ -51,11 +52,11 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return best
 
 
-def around_layers(model: Any) -> list[torch.nn.Module]:
-    """The text model's own modules a decode pass runs once around its layers: the rotary
-    embedding (``*RotaryEmbedding``: positions to cos/sin, ~8 eager kernels) and the final
-    norm (``norm``: ~6) — children of the module that holds the decoder layers."""
-    layers = decoder_layers(model)
+def around_layers(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The text model's own modules a decode pass runs once around its ``layers`` (its
+    :func:`decoder_layers`): the rotary embedding (``*RotaryEmbedding``: positions to
+    cos/sin, ~8 eager kernels) and the final norm (``norm``: ~6) — children of the module
+    that holds the layers."""
     for owner in model.modules():
         children = dict(owner.named_children())
         if any(isinstance(c, torch.nn.ModuleList) and list(c) == layers for c in children.values()):
@@ -84,7 +85,7 @@ class CompiledLayers:
             "recompile_limit": 4 * len(self.layers),
             "accumulated_recompile_limit": 32 * len(self.layers),
         }
-        self.modules = self.layers + around_layers(model)
+        self.modules = self.layers + around_layers(model, self.layers)
         for module in self.modules:
             eager = module.forward
             compiled = torch.compile(eager, dynamic=True)

@@ -114,8 +114,9 @@ class PassRunner:
                     describe(model.config, type(model).__name__), str(exc)
                 ) from None
             raise
-        self._hook = model.get_output_embeddings().register_forward_pre_hook(self._pick_rows)
-        self._head = HeadInto(model.get_output_embeddings(), self._local)
+        head = model.get_output_embeddings()
+        self._hook = head.register_forward_pre_hook(self._pick_rows)
+        self._head = HeadInto(head, self._local)
         try:
             self.probe()
         except BaseException:
