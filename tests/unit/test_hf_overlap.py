@@ -7,6 +7,7 @@ and the capacity edge — against the same engine without overlap and against
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import pytest
@@ -105,14 +106,51 @@ def test_rows_at_the_last_column_are_read_before_another_pass(model: Any) -> Non
         assert r.output_ids == hf_greedy(model, made_up_prompt(i, 10, VOCAB, 37, 11), 22)
 
 
-def test_a_weight_update_waits_for_the_pass_in_flight(model: Any) -> None:
-    async def body(engine: HFEngine) -> tuple[list[int], int]:
-        long = asyncio.create_task(engine.generate(req(1, 6, 40, temperature=0.0, ignore_eos=True)))
-        await engine.generate(req(2, 3, 3, ignore_eos=True))
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        await engine.update_weights(state, version=1)
-        r = await long
-        return r.output_ids, r.weight_version
+def _greedy_switched(old: Any, new: Any, prompt: list[int], out: list[int], k: int) -> list[int]:
+    """The greedy tokens after ``out[:k]`` when ``old`` sampled those and ``new`` the rest:
+    the cache of ``prompt + out[:k-1]`` is the old weights' (an engine keeps it), the pass
+    fed ``out[k-1]`` and every later one the new weights'."""
+    name = "cache" if "cache" in inspect.signature(old.forward).parameters else "past_key_values"
+    cache = {name: transformers.DynamicCache()}  # filled in place by each call
+    with torch.no_grad():
+        old(torch.tensor([prompt + out[: k - 1]]), use_cache=True, **cache)
+        tok, tokens = out[k - 1], []
+        for _ in range(len(out) - k):
+            tok = int(new(torch.tensor([[tok]]), use_cache=True, **cache).logits[0, -1].argmax())
+            tokens.append(tok)
+    return tokens
 
-    (plain, v0), (ahead, v1) = _both(model, body, slots=3)
-    assert ahead == plain and v0 == v1 == 0
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_weight_update_lands_between_two_passes(overlap: bool) -> None:
+    # the update is queued while the request decodes (a pass in flight with overlap): the
+    # tokens before it are the old weights' greedy ones, those after it the new weights'
+    # continuation over the cache the old ones wrote; nothing is sampled from a mix
+    n, prompt = 160, made_up_prompt(1, 6, VOCAB, 37, 11)
+    model, fresh = tiny_qwen2(seed=0), tiny_qwen2(seed=1).state_dict()
+
+    async def body(engine: HFEngine) -> GenerateResult:
+        request = GenerateRequest(
+            new_request_id("ov"), prompt,
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+        )  # fmt: skip
+        long = asyncio.create_task(engine.generate(request))
+        # the worker thread counts the tokens it takes; there is nothing to wait on
+        while engine.counters.generated_tokens < 4:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        await engine.update_weights(fresh, version=1)
+        return await long
+
+    r = run_engine(model, body, slots=3, overlap=overlap)
+    old = tiny_qwen2(seed=0)
+    reference = hf_greedy(old, prompt, n)
+    out = r.output_ids
+    assert len(out) == n and r.weight_version == 0  # tagged with its first token's weights
+    diverged = next(
+        (i for i, (a, b) in enumerate(zip(out, reference, strict=True)) if a != b), None
+    )
+    assert diverged is not None, "the new weights never took effect"
+    # the switch lies at or before the first token unlike the old weights' greedy one
+    assert any(
+        out[k:] == _greedy_switched(old, model, prompt, out, k) for k in range(diverged, 3, -1)
+    )
