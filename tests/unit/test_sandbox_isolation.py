@@ -1,6 +1,6 @@
 """What a sandboxed program must not reach or keep: System V IPC objects after the run,
-more memory than the run's limit across processes, the host's Unix sockets under /run,
-and the trainer's secrets in the environment of any process it can read.
+more memory than the run's limit across processes, the host's Unix sockets (under /run or
+elsewhere), and the trainer's secrets in the environment of any process it can read.
 
 Each test fails where the isolation is missing, unless the sandbox's own report says
 it could not be had here (then it is skipped with that reason).
@@ -19,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_sandbox import SRC, USER_SCRIPT, Box, _user_python  # tests/unit is on sys.path
@@ -89,10 +90,10 @@ def test_memory_limit_holds_for_the_whole_run_not_each_process(runs_dir: Path) -
     assert "memory cgroup" in r.isolation["memory_limit"]
 
 
-def test_host_unix_sockets_under_run_cannot_be_reached(box: Box) -> None:
-    if not os.access("/run", os.W_OK):
-        pytest.skip("cannot make a socket under /run")
-    host_dir = tempfile.mkdtemp(dir="/run", prefix="tailcut-sbx-test-")
+def _connect_from_the_sandbox(box: Box, parent: str) -> tuple[Any, str]:
+    """A listening socket any uid may connect to, in a fresh dir under ``parent``; the
+    sandboxed program's attempt to connect to it: (its result, the socket's path)."""
+    host_dir = tempfile.mkdtemp(dir=parent, prefix="tailcut-sbx-test-")
     try:
         os.chmod(host_dir, 0o755)
         path = os.path.join(host_dir, "agent.sock")
@@ -109,14 +110,32 @@ def test_host_unix_sockets_under_run_cannot_be_reached(box: Box) -> None:
                 "    except OSError as e:\n"
                 "        print('blocked', e.errno)\n"
             )
-            r = box.run(code)
+            return box.run(code), path
     finally:
         shutil.rmtree(host_dir)
+
+
+def test_host_unix_sockets_under_run_cannot_be_reached(box: Box) -> None:
+    if not os.access("/run", os.W_OK):
+        pytest.skip("cannot make a socket under /run")
+    r, _ = _connect_from_the_sandbox(box, "/run")
     assert r.status == "ok", r.stderr
     if r.isolation["mounts"].startswith("NOT isolated"):
         pytest.skip(f"no mount namespace here: {r.isolation['mounts']}")
     assert r.stdout.startswith("blocked"), r.stdout
     assert "/run hidden" in r.isolation["filesystem"]
+
+
+def test_host_unix_sockets_elsewhere_cannot_be_reached(box: Box) -> None:
+    # outside /run and /tmp (both replaced in the sandbox): the socket is visible through
+    # the read-only host file system, and connect() ignores read-only mounts and network
+    # namespaces alike
+    r, _ = _connect_from_the_sandbox(box, str(Path(__file__).parent))
+    assert r.status == "ok", r.stderr
+    if r.isolation["mounts"].startswith("NOT isolated"):
+        pytest.skip(f"no mount namespace here: {r.isolation['mounts']}")
+    assert r.stdout.startswith("blocked 111"), r.stdout  # ECONNREFUSED: no socket there
+    assert "host Unix socket(s) elsewhere hidden" in r.isolation["filesystem"]
 
 
 PEEK_ENVIRONS = """

@@ -11,8 +11,9 @@ Standard library only: it runs before any site packages are importable. The pare
 3. in the mount namespace: one size-capped tmpfs (the disk quota) holds a copy of the
    work directory and fresh ``/tmp``, ``/var/tmp``, ``/dev/shm``; empty read-only
    tmpfs hide ``/run`` and ``/var/run`` (the host's Unix sockets: a read-only mount does
-   not stop ``connect``); the interpreter is made reachable for the unprivileged uid,
-   and every other mount remounted read-only;
+   not stop ``connect``), and ``/dev/null`` is bound over every other socket the host
+   has bound in its network namespace (:func:`host_sockets`); the interpreter is made
+   reachable for the unprivileged uid, and every other mount remounted read-only;
 4. forks the program: rlimits, unprivileged uid or dropped capabilities,
    ``no_new_privs``, parent-death signal, then ``execve``;
 5. waits for it, kills and reaps whatever it left behind, and reports the exit status
@@ -277,6 +278,43 @@ def expose(paths: list[str], made: list[str]) -> list[str]:
     raise SetupError(f"could not expose {paths}")
 
 
+def host_sockets() -> list[str]:
+    """Paths of the Unix sockets bound in this network namespace, read before leaving it:
+    a filesystem socket stays reachable from any network namespace, and a read-only mount
+    does not stop ``connect``. (Sockets bound in other network namespaces are not listed.)"""
+    paths = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix", errors="surrogateescape") as f:
+        next(f, None)  # the header
+        for line in f:
+            fields = line.rstrip("\n").split(None, 7)
+            if len(fields) == 8 and fields[7].startswith("/"):
+                paths.add(fields[7])
+    return sorted(paths)
+
+
+def hide_sockets(paths: list[str], skip: list[str], made: list[str]) -> tuple[int, list[str]]:
+    """Bind ``/dev/null`` over each of ``paths`` that is still a socket and not under
+    ``skip`` (dirs already replaced): ``connect`` then finds no socket there. Returns how
+    many were hidden and the ones that could not be."""
+    hidden, failed = 0, []
+    for path in paths:
+        if _under(path, skip):
+            continue
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+        except OSError:  # gone, or out of this process's reach and so of the program's
+            continue
+        try:
+            _mount("/dev/null", path, None, MS_BIND, None)
+        except OSError as exc:
+            failed.append(f"{path}: {exc.strerror}")
+            continue
+        made.append(path)
+        hidden += 1
+    return hidden, failed
+
+
 def readonly_rest(writable: list[str]) -> list[str]:
     """Remount every mount read-only except ``writable`` and /proc, /sys, /dev."""
     failed = []
@@ -291,9 +329,10 @@ def readonly_rest(writable: list[str]) -> list[str]:
     return failed
 
 
-def setup_mounts(spec: dict, notes: dict) -> None:
-    """Private /tmp, /run hidden, the interpreter exposed, the rest read-only; on a
-    failure every mount made is undone and ``notes["mount"]`` says why."""
+def setup_mounts(spec: dict, notes: dict, sockets: list[str]) -> None:
+    """Private /tmp, /run and the host's other Unix ``sockets`` hidden, the interpreter
+    exposed, the rest read-only; on a failure every mount made is undone and
+    ``notes["mount"]`` says why."""
     made: list[str] = []
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
@@ -303,6 +342,7 @@ def setup_mounts(spec: dict, notes: dict) -> None:
         notes["disk"] = True
         if spec.get("uid") is not None and spec.get("expose"):
             notes["exposed"] = expose(spec["expose"], made)
+        n_sockets, unhidden = hide_sockets(sockets, [*covered, spec["workdir"]], made)
     except (OSError, SetupError) as exc:
         for target in reversed(made):
             with contextlib.suppress(OSError):
@@ -313,6 +353,10 @@ def setup_mounts(spec: dict, notes: dict) -> None:
     notes["filesystem"] = "read-only except work dir and private /tmp"
     if hidden := [d for d in covered if d in HIDDEN_DIRS]:
         notes["filesystem"] += f"; {', '.join(hidden)} hidden (empty)"
+    if n_sockets:
+        notes["filesystem"] += f"; {n_sockets} host Unix socket(s) elsewhere hidden"
+    if unhidden:
+        notes["filesystem"] += f" (NOT hidden: {'; '.join(unhidden[:4])})"
     if failed:
         notes["filesystem"] += f" (could not remount: {'; '.join(failed[:4])})"
 
@@ -466,6 +510,7 @@ def prepare(spec: dict, notes: dict) -> None:
     watch_owner(spec["parent_pid"])
     if os.getppid() != spec["parent_pid"]:  # gone before the watch began
         raise SetupError("the sandbox's owner exited before it started")
+    sockets = host_sockets()  # this network namespace's, so before leaving it
     enter_namespaces(spec["namespaces"], notes)
     missing = [ns for ns in spec.get("require", []) if notes.get(ns) is not True]
     if missing:
@@ -473,7 +518,7 @@ def prepare(spec: dict, notes: dict) -> None:
             f"required isolation unavailable: {', '.join(f'{ns}: {notes.get(ns)}' for ns in missing)}"
         )
     if notes.get("mount") is True:
-        setup_mounts(spec, notes)
+        setup_mounts(spec, notes, sockets)
     uid = spec.get("uid")
     if uid is not None and not uid_can_run(spec, notes.get("mount") is True):
         notes["uid_refused"] = "interpreter not reachable by an unprivileged uid"
