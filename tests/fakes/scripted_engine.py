@@ -5,7 +5,8 @@ tokenizes the reply with a real tokenizer, adds the end-of-turn token, and retur
 way a model server would: cut at the first stop token, cut at ``max_new_tokens``
 (finish ``length``), and on ``abort`` resolved with the tokens produced so far (finish
 ``abort``). With ``token_delay_s`` each token costs that much time (virtual time under
-:mod:`tailcut.vtime`), so a cut can land in the middle of a generation.
+:mod:`tailcut.vtime`), so a cut can land in the middle of a generation; a subclass may
+charge some requests more (:meth:`ScriptedEngine.token_delay`).
 
 Scripts can call tools (``format_tool_call``), answer, or ramble (a long reply that only
 ``max_new_tokens`` stops). A request with ``seed_offset = k`` continues a cut generation: it
@@ -105,7 +106,7 @@ class ScriptedEngine(BaseEngine):
         self._running[request.request_id] = stop
         out: list[int] = []
         try:
-            await self._emit(planned, stop, out)
+            await self._emit(planned, stop, out, self.token_delay(request))
         except asyncio.CancelledError:
             self._stopped(request.request_id, out)
             raise
@@ -125,16 +126,22 @@ class ScriptedEngine(BaseEngine):
         self.results.append(result)
         return result
 
-    async def _emit(self, planned: list[int], stop: asyncio.Event, out: list[int]) -> None:
+    def token_delay(self, request: GenerateRequest) -> float:
+        """Seconds each token of ``request`` takes (``token_delay_s`` for every request)."""
+        return self.token_delay_s
+
+    async def _emit(
+        self, planned: list[int], stop: asyncio.Event, out: list[int], delay: float
+    ) -> None:
         """Produce ``planned`` into ``out`` token by token until done or stopped."""
         if self.prefill_delay_s > 0 and await _wait(stop, self.prefill_delay_s):
             return
-        if self.token_delay_s <= 0:
+        if delay <= 0:
             if not stop.is_set():
                 out.extend(planned)
             return
         for tid in planned:
-            if await _wait(stop, self.token_delay_s):
+            if await _wait(stop, delay):
                 return
             out.append(tid)
 

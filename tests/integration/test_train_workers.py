@@ -24,6 +24,7 @@ from tailcut.tools.base import ToolSet
 from tailcut.tools.calculator import CalculatorTool
 from tailcut.train.config import AgentLoopConfig
 from tailcut.train.trainer import Trainer
+from tailcut.types import GenerateRequest
 from tailcut.vtime import run_virtual
 
 pytestmark = pytest.mark.slow
@@ -100,6 +101,16 @@ def test_deadline_policy_over_workers_learns_like_one(tmp_path: Path, chat_token
 # -- Ray ---------------------------------------------------------------------------------
 
 
+class SlowRambles(ScriptedEngine):
+    """The scripted engine in real time, its rambling first replies (``script``'s kind 3,
+    what a cut aborts) 100 times slower a token than the rest: at least a second, so they
+    are still running when the cut reaches the Ray workers however loaded the machine."""
+
+    def token_delay(self, request: GenerateRequest) -> float:
+        rambles = (request.sampling.seed or 0) % 5 == 3
+        return self.token_delay_s * (100 if rambles else 1)
+
+
 @dataclass(frozen=True)
 class ScriptedRecipe:
     """What a Ray worker builds in its actor: the scripted engine and the agent loop (the
@@ -110,7 +121,7 @@ class ScriptedRecipe:
     seed: int
 
     async def build(self, rank: int) -> tuple[Engine, RolloutFn]:
-        engine = ScriptedEngine(self.tokenizer, script, token_delay_s=TOKEN_S / 10)
+        engine = SlowRambles(self.tokenizer, script, token_delay_s=TOKEN_S / 10)
         tools = ToolSet({"calculator": CalculatorTool()})
         loop = ResumableAgentLoop(
             self.tokenizer, self.agent, toolset=tools, reward_fn=RewardFn("answer")
