@@ -16,7 +16,8 @@ traces (``extra.schema`` on the first line), tailcut traces written before the s
 
 What a crash leaves is skipped with a warning, not an error: an empty file, or a last line
 with no newline that does not parse (the requests it leaves unfinished are dropped). A bad
-line anywhere else is an error.
+line anywhere else is an error. A file that is not text (a Parquet file, other binary data:
+``jsonl.check_text``) is one error naming it, raised at once.
 
 Times: a record's ``timestamp`` is the end of its span and ``duration_sec`` its length.
 Terminal events measure from the request's launch (complete, failed) or from the step start
@@ -32,13 +33,19 @@ import re
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tailcut.errors import TailcutError
+from tailcut.jsonl import check_text
 from tailcut.trace.events import TERMINAL_EVENTS, EventKind, TraceSchemaError
-from tailcut.trace.schema import LEGACY_STEP_WORKID, Dialect, detect_dialect, validate_record
+from tailcut.trace.schema import (
+    LEGACY_STEP_WORKID,
+    Dialect,
+    detect_dialect,
+    record_time,
+    validate_record,
+)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WORKER_FILE = re.compile(r"^worker_(\d+)(?:\.round(\d+))?\.jsonl$")
@@ -265,14 +272,16 @@ def _read_file(
     path: Path, worker: int, problems: list[str], warn: Warn
 ) -> tuple[list[Event], str | None]:
     """The file's events, and what was skipped if it was cut short: the file was empty, or its
-    last line (no newline) does not parse. Bad lines before the last are problems. A round
-    file's (``worker_R.roundN.jsonl``) events carry ``round`` N and request ids ``.roundN``."""
+    last line (no newline) does not parse. Bad lines before the last are problems; binary
+    data raises ``TraceError``. A round file's (``worker_R.roundN.jsonl``) events carry
+    ``round`` N and request ids ``.roundN``."""
     events: list[Event] = []
     n_round = file_round(path)
     lineno = 0
     dialect: Dialect | None = None
     unknown: Counter[str] = Counter()
     with path.open("rb") as fh:
+        check_text(fh, path, TraceError)  # a binary file: one error, not a line per byte run
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
             try:
@@ -290,7 +299,7 @@ def _read_file(
                     raise TraceSchemaError(f"{where}: not a JSON object")
                 dialect = dialect or detect_dialect(rec, where)
                 kind = validate_record(rec, where, dialect)
-                end = datetime.fromisoformat(rec["timestamp"]).timestamp()
+                end = record_time(rec, where)
             except (TraceSchemaError, ValueError) as exc:
                 msg = str(exc)
                 problems.append(msg if msg.startswith(where) else f"{where}: {msg}")

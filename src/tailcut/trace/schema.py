@@ -80,7 +80,27 @@ def _check_common(record: Mapping[str, Any], where: str, workid: type) -> None:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         raise TraceSchemaError(f"{where}: field 'step' missing or not an int")
-    datetime.fromisoformat(record["timestamp"])
+    record_time(record, where)
+
+
+def record_time(record: Mapping[str, Any], where: str = "") -> float:
+    """A record's ``timestamp`` in seconds since the epoch; ``TraceSchemaError`` naming the
+    field if it is not an ISO 8601 time (or one out of range)."""
+    stamp = record.get("timestamp")
+    if not isinstance(stamp, str):
+        raise TraceSchemaError(f"{where}: field 'timestamp' missing or not str")
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        raise TraceSchemaError(
+            f"{where}: field 'timestamp' is not an ISO 8601 time: {stamp!r}"
+        ) from None
+    try:
+        return when.timestamp()
+    except (ValueError, OverflowError) as exc:  # a time with no zone, read as local time: year 1
+        raise TraceSchemaError(
+            f"{where}: field 'timestamp' is out of range: {stamp!r} ({exc})"
+        ) from None
 
 
 def validate_record(

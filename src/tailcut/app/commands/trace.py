@@ -8,6 +8,8 @@ Heavy imports (rich, matplotlib) stay inside the commands. Errors are one line o
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +43,31 @@ def _cannot_write(path: Path, exc: OSError) -> typer.Exit:
     return _fail(f"{path}: cannot write ({exc.strerror or exc})")
 
 
+def _trace_files(run_dir: Path) -> list[Path]:
+    """The trace files a command reads from ``run_dir`` (none where it cannot list them:
+    reading them then gives the error)."""
+    from tailcut.trace.load import TraceError, discover
+
+    try:
+        return [path for source in discover(run_dir) for _, path in source.files]
+    except (TraceError, OSError):
+        return []
+
+
+def _check_not_input(out: Path, inputs: Iterable[Path]) -> None:
+    """Refuse to write ``out`` over one of the trace files read: the same path, however
+    written (relative, through a symbolic link) or a hard link to it."""
+    if not os.path.lexists(out):
+        return
+    for src in inputs:
+        try:
+            same = os.path.samefile(out, src)
+        except OSError:  # a dangling link: written over, it changes no input
+            continue
+        if same:
+            raise _fail(f"{out}: the output is the input {src}; choose another output path")
+
+
 @trace_app.command("perfetto")
 def perfetto(
     run_dir: Annotated[Path, typer.Argument(help=TRACE_HELP)],
@@ -63,6 +90,7 @@ def perfetto(
         raise _fail(f"{out}: is a directory (give the output file's path)")
     if not out.parent.is_dir():
         raise _fail(f"{out}: cannot write (no directory {out.parent})")
+    _check_not_input(out, _trace_files(run_dir))
     try:
         counts = write_perfetto(run_dir, out, "step" if align == "step" else "run", _warn)
     except TraceError as exc:
@@ -100,6 +128,10 @@ def report(
         plot_path = plot or (run_dir if run_dir.is_dir() else run_dir.parent) / "completion_cdf.png"
         if len(reports) > len(summaries):  # some run has several steps
             steps_path = plot_path.with_name("step_times.png")
+        inputs = _trace_files(run_dir)
+        for path in (plot_path, steps_path):
+            if path is not None:
+                _check_not_input(path, inputs)
         for path, draw in ((plot_path, plot_cdf), (steps_path, plot_step_times)):
             if path is None:
                 continue
