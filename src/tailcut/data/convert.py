@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailcut.data.verl import DataError, RowProblem, check_not_input, write_rows
+from tailcut.data.verl import DataError, RowProblem, check_not_input, check_overwrite, write_rows
 from tailcut.jsonl import BadLine, json_lines
 
 DAPO_DATA_SOURCE = "math_dapo"
@@ -108,8 +108,12 @@ def convert_records(
     return rows, problems
 
 
-def convert(src: Path, out: Path, opts: ConvertOptions) -> tuple[int, list[RowProblem]]:
-    """Convert ``src`` JSONL to ``out`` parquet; return the rows written and skipped lines."""
+def convert(
+    src: Path, out: Path, opts: ConvertOptions, *, overwrite: bool = True
+) -> tuple[int, list[RowProblem]]:
+    """Convert ``src`` JSONL to ``out`` parquet; return the rows written and skipped lines.
+    An existing ``out`` is replaced only with ``overwrite`` (else ``DataError`` names it, once
+    the input has been read: its errors come first)."""
     src, out = Path(src), Path(out)
     if not src.is_file():
         raise DataError(f"{src}: no such file")
@@ -124,5 +128,6 @@ def convert(src: Path, out: Path, opts: ConvertOptions) -> tuple[int, list[RowPr
         raise DataError(f"{src}: {len(problems)} bad line(s):{listed}{more}")
     if not rows:
         raise DataError(f"{src}: no usable lines")
+    check_overwrite([out], overwrite)
     write_rows(rows, out)
     return len(rows), problems

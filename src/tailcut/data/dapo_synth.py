@@ -271,10 +271,18 @@ def split_seed(seed: int, split: str) -> int:
 
 
 def write_dataset(
-    out: Path, n_train: int, n_test: int, seed: int, task: TaskConfig | None = None
+    out: Path,
+    n_train: int,
+    n_test: int,
+    seed: int,
+    task: TaskConfig | None = None,
+    *,
+    overwrite: bool = True,
 ) -> dict[str, int]:
     """Write the code interpreter's problems: ``train.parquet``, ``test.parquet`` (none of the train split's) and
-    ``tools.yaml``, into ``out``."""
+    ``tools.yaml``, into ``out``; existing ones are replaced only with ``overwrite`` (else
+    ``DataError`` names them, before any problem is drawn)."""
+    synth.check_outputs(out, overwrite)
     counts = (n_train, n_test)
     splits = synth.split_problems(
         generate_problems, generate_problem, split_seed, seed, counts, task

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailcut.data.verl import DataError, check_not_input, write_rows
+from tailcut.data.verl import DataError, check_not_input, check_overwrite, write_rows
 from tailcut.jsonl import read_jsonl
 
 DATA_SOURCE = "openai/gsm8k"
@@ -94,9 +94,13 @@ def convert_split(path: Path, split: str, prompts: Prompts | None = None) -> lis
     return rows
 
 
-def preprocess(src: Path, out: Path, prompts: Prompts | None = None) -> dict[str, int]:
+def preprocess(
+    src: Path, out: Path, prompts: Prompts | None = None, *, overwrite: bool = True
+) -> dict[str, int]:
     """Write ``out/train.parquet`` and ``out/test.parquet``; return the row count per split.
-    Both splits are converted before either file is written: a bad line writes nothing."""
+    Both splits are converted before either file is written: a bad line writes nothing.
+    Existing files are replaced only with ``overwrite`` (else ``DataError`` names them, once
+    the input has been read: its errors come first)."""
     src, out = Path(src), Path(out)
     inputs = [src / f"{s}.jsonl" for s in SPLITS]
     missing = [p.name for p in inputs if not p.is_file()]
@@ -107,6 +111,7 @@ def preprocess(src: Path, out: Path, prompts: Prompts | None = None) -> dict[str
     rows = {
         split: convert_split(p, split, prompts) for split, p in zip(SPLITS, inputs, strict=True)
     }
+    check_overwrite([out / f"{split}.parquet" for split in SPLITS], overwrite)
     for split, split_rows in rows.items():
         write_rows(split_rows, out / f"{split}.parquet")
     return {split: len(split_rows) for split, split_rows in rows.items()}

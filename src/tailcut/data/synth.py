@@ -140,6 +140,17 @@ def split_problems(
     return {"train": train, "test": test}
 
 
+def check_outputs(out: Path, overwrite: bool) -> None:
+    """Refuse to replace the files :func:`write_dataset` writes into ``out`` unless
+    ``overwrite``: ``DataError`` names those that exist. Call it before drawing problems."""
+    from tailcut.data.verl import check_overwrite
+
+    out = Path(out)
+    check_overwrite(
+        [*(out / f"{split}.parquet" for split in SPLITS), out / "tools.yaml"], overwrite
+    )
+
+
 def write_dataset(
     out: Path,
     splits: Mapping[str, Sequence[Any]],

@@ -117,6 +117,7 @@ class PromptSet:
     path: Path
     rows: list[PromptRow]
     skipped: list[RowProblem] = field(default_factory=list)
+    """One per bad row left out: its problems' reasons, joined with "; "."""
     warnings: list[RowProblem] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -138,6 +139,24 @@ def check_not_input(out: Path, inputs: Iterable[Path]) -> None:
     for src in inputs:
         if os.path.exists(out) and os.path.samefile(out, src):
             raise DataError(f"{out}: the output is the input {src}; choose another output path")
+
+
+def check_overwrite(paths: Iterable[Path], overwrite: bool) -> None:
+    """Refuse to replace output files that exist unless ``overwrite`` (``--force``): a data
+    command never replaces a file silently. Raises ``DataError`` naming them (a path that is
+    a directory is left to the write, which names it)."""
+    if overwrite:
+        return
+    existing = [
+        Path(p) for p in paths if os.path.islink(p) or (os.path.exists(p) and not os.path.isdir(p))
+    ]
+    if not existing:
+        return
+    how = "pass --force, or choose another --out"
+    if len(existing) == 1:
+        raise DataError(f"{existing[0]} exists; refusing to replace it: {how}")
+    names = ", ".join(p.name for p in existing)
+    raise DataError(f"{existing[0].parent}: {names} exist; refusing to replace them: {how}")
 
 
 def write_rows(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
@@ -181,6 +200,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes)")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError):
@@ -418,6 +439,15 @@ def check_rows(
     return good, problems
 
 
+def bad_rows(problems: Iterable[RowProblem]) -> list[RowProblem]:
+    """One error per bad row, in the order found, with all its errors' reasons ("; ")."""
+    reasons: dict[int, list[str]] = {}
+    for p in problems:
+        if p.severity == "error":
+            reasons.setdefault(p.row, []).append(p.reason)
+    return [RowProblem(row, "; ".join(found)) for row, found in reasons.items()]
+
+
 def format_problems(problems: Sequence[RowProblem], limit: int = 20) -> str:
     lines = [f"  {p}" for p in problems[:limit]]
     if len(problems) > limit:
@@ -437,7 +467,8 @@ def load_prompts(
     A bad row (empty prompt, missing or malformed ground truth, prompt longer than
     ``max_prompt_tokens`` as counted by ``count_tokens``) raises ``DataError`` naming every
     bad row with ``on_bad_row="error"``; with ``"skip"`` it is left out, logged, and listed
-    in ``PromptSet.skipped``. Warnings never drop a row.
+    in ``PromptSet.skipped``. A bad row is counted and listed once, with all its problems.
+    Warnings never drop a row.
     """
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -445,13 +476,13 @@ def load_prompts(
     rows, problems = check_rows(
         read_rows(path), max_prompt_tokens=max_prompt_tokens, count_tokens=count_tokens
     )
-    errors = [p for p in problems if p.severity == "error"]
+    errors = bad_rows(problems)  # a row with several problems is one bad row
     warnings = [p for p in problems if p.severity == "warning"]
     if errors and on_bad_row == "error":
         raise DataError(f"{path}: {len(errors)} bad row(s):\n{format_problems(errors)}")
     for p in errors:
         log.warning("%s: skipping %s", path, p)
     if not rows:
-        detail = f" ({len(errors)} bad):\n{format_problems(errors)}" if errors else ""
+        detail = f" ({len(errors)} bad row(s)):\n{format_problems(errors)}" if errors else ""
         raise DataError(f"{path}: no usable rows{detail}")
     return PromptSet(path=path, rows=rows, skipped=errors, warnings=warnings)

@@ -152,36 +152,70 @@ def bench(
     _sim(locals())
 
 
-def _sim(o: dict[str, Any]) -> None:
-    """Every policy on the simulated engine, one run (``bench/sim_bench.py``)."""
-    from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, build_policy, run_sim_bench
-    from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
+SIM_KEYS = (
+    "decode_a_s", "decode_c_s", "prefill_s_per_token", "kv_capacity_tokens", "max_running",
+    "preemption",
+)  # fmt: skip
+"""The sim engine's options (``--decode-a-s`` ...): fields of ``SimEngineConfig``."""
+
+
+def _sim_engine(o: dict[str, Any]) -> Any:
+    """The sim engine's config from its options; a bad value is a usage error naming the
+    option (or options) and what is wrong with each."""
+    from pydantic import ValidationError
+
     from tailcut.config import SimEngineConfig
 
-    sim_keys = (
-        "decode_a_s", "decode_c_s", "prefill_s_per_token", "kv_capacity_tokens", "max_running",
-        "preemption",
-    )  # fmt: skip
-    lengths_file, requests = o["lengths_file"], o["requests"]
     try:
-        engine_cfg = SimEngineConfig(**{k: o[k] for k in sim_keys if o[k] is not None})
-        wl: Workload
+        return SimEngineConfig(**{k: o[k] for k in SIM_KEYS if o[k] is not None})
+    except ValidationError as exc:
+        found = [
+            ("--" + str(e["loc"][0]).replace("_", "-") if e["loc"] else "", e["msg"], e["input"])
+            for e in exc.errors()
+        ]
+        if len(found) == 1:
+            opt, msg, value = found[0]
+            raise typer.BadParameter(f"{msg} (got {value!r})", param_hint=opt or None) from None
+        listed = "; ".join(
+            f"{opt or 'sim engine'}: {msg} (got {value!r})" for opt, msg, value in found
+        )
+        raise typer.BadParameter(listed) from None
+
+
+def _sim(o: dict[str, Any]) -> None:
+    """Every policy on the simulated engine, one run (``bench/sim_bench.py``). A bad
+    ``--workload``, ``--lengths-file``, ``--policy`` or sim engine option is a usage error
+    naming it."""
+    from tailcut.bench.sim_bench import POLICY_NAMES, BenchOptions, build_policy, run_sim_bench
+    from tailcut.bench.workloads import LengthsFileWorkload, Workload, WorkloadError, get_workload
+
+    lengths_file, requests = o["lengths_file"], o["requests"]
+    wl: Workload
+    try:
         if lengths_file is not None:
             lf = LengthsFileWorkload.load(lengths_file)
             wl, n = lf, requests or lf.size(0)
         else:
             wl, n = get_workload(o["workload"], o["seed"]), requests or 1024
+    except WorkloadError as exc:
+        hint = "--lengths-file" if lengths_file is not None else "--workload"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    policies = tuple(o["policy"]) if o["policy"] else POLICY_NAMES
+    unknown = sorted(set(policies) - set(POLICY_NAMES))
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown policy {', '.join(unknown)}; known: {POLICIES_HELP}", param_hint="--policy"
+        )
+    engine_cfg = _sim_engine(o)
+    try:
         opts = BenchOptions(
             requests=n, target_fraction=o["target_fraction"], steps=o["steps"],
             group_size=o["group_size"],
             warmup_steps=0 if lengths_file is not None else o["warmup_steps"],
-            policies=tuple(o["policy"]) if o["policy"] else POLICY_NAMES,
-            trace_dir=o["trace_dir"], overhead=o["overhead"], scale_cut=o["scale_cut"],
-            spf_margin=o["spf_margin"], spf_need_ratio=o["spf_need_ratio"],
+            policies=policies, trace_dir=o["trace_dir"], overhead=o["overhead"],
+            scale_cut=o["scale_cut"], spf_margin=o["spf_margin"],
+            spf_need_ratio=o["spf_need_ratio"],
         )  # fmt: skip
-        unknown = sorted(set(opts.policies) - set(POLICY_NAMES))
-        if unknown:
-            raise ValueError(f"unknown policy {', '.join(unknown)}; known: {POLICIES_HELP}")
         widest = max(build_policy(p, opts).n_launch for p in opts.policies)
         if lengths_file is not None and widest > lf.size(0):
             typer.echo(
@@ -190,7 +224,10 @@ def _sim(o: dict[str, Any]) -> None:
                 err=True,
             )
         report = run_sim_bench(wl, engine_cfg, opts)
-    except (WorkloadError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+    except WorkloadError as exc:  # e.g. a lengths file without a step --steps asks for
+        hint = "--lengths-file" if lengths_file is not None else "--workload"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    except ValueError as exc:  # options that do not go together
         raise typer.BadParameter(str(exc)) from None
     if o["json_out"]:
         print(json.dumps(report.to_json(), indent=2, default=str))

@@ -1,6 +1,7 @@
 """``tailcut data``: build and check verl-format parquet datasets.
 
-Heavy imports stay inside the commands.
+A command that writes files (gsm8k, convert, arith, dapo-synth) never replaces one that
+exists unless given ``--force``. Heavy imports stay inside the commands.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ data_app = typer.Typer(
     help="Build and check verl-format parquet datasets.",
     no_args_is_help=True,
 )
+
+
+Force = Annotated[
+    bool, typer.Option(help="Replace output files that exist (else the command refuses).")
+]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -39,6 +45,7 @@ def gsm8k(
     instruction: Annotated[
         str | None, typer.Option(help="Replace the instruction appended to each question.")
     ] = None,
+    force: Force = False,
 ) -> None:
     """Preprocess GSM8K into verl's multi-turn-with-tool layout (calc_gsm8k_reward)."""
     from rich.console import Console
@@ -50,7 +57,7 @@ def gsm8k(
         system=system_prompt or g.SYSTEM_PROMPT, instruction=instruction or g.INSTRUCTION
     )
     try:
-        counts = g.preprocess(src, out, prompts)
+        counts = g.preprocess(src, out, prompts, overwrite=force)
     except DataError as exc:
         raise _fail(str(exc)) from None
     console = Console(soft_wrap=True)
@@ -81,6 +88,7 @@ def convert(
     skip_bad: Annotated[
         bool, typer.Option(help="Skip and report bad lines instead of failing.")
     ] = False,
+    force: Force = False,
 ) -> None:
     """Convert a question/answer JSONL into DAPO-style verl rows (final line `Answer: X`)."""
     from rich.console import Console
@@ -100,7 +108,7 @@ def convert(
         skip_bad=skip_bad,
     )
     try:
-        n, skipped = run_convert(src, out, opts)
+        n, skipped = run_convert(src, out, opts, overwrite=force)
     except DataError as exc:
         raise _fail(str(exc)) from None
     console = Console(soft_wrap=True)
@@ -190,13 +198,14 @@ def arith(
     n: Annotated[int, typer.Option(min=1, max=10_000_000, help="Training rows.")] = 5000,
     n_test: Annotated[int, typer.Option(min=1, max=1_000_000, help="Test rows.")] = 500,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the problem generator.")] = 0,
+    force: Force = False,
 ) -> None:
     """Write the built-in model's arithmetic task (calculator tool) as verl-format parquet."""
     from tailcut.data import arith
     from tailcut.data.verl import DataError
 
     try:
-        counts = arith.write_dataset(out, n, n_test, seed)
+        counts = arith.write_dataset(out, n, n_test, seed, overwrite=force)
     except DataError as exc:
         raise _fail(str(exc)) from None
     problems = arith.generate_problems(arith.split_seed(seed, "train"), n)
@@ -214,6 +223,7 @@ def dapo_synth(
     max_steps: Annotated[
         int, typer.Option(min=1, max=8, help="Most lines (code calls) of a problem.")
     ] = 6,
+    force: Force = False,
 ) -> None:
     """Write DAPO-layout math problems (DAPO-Math-17k's columns, data_source math_dapo)
     whose answers short Python programs compute, for the code_interpreter tool."""
@@ -222,7 +232,7 @@ def dapo_synth(
 
     task = ds.TaskConfig(max_steps=max_steps)
     try:
-        counts = ds.write_dataset(out, n, n_test, seed, task)
+        counts = ds.write_dataset(out, n, n_test, seed, task, overwrite=force)
     except DataError as exc:
         raise _fail(str(exc)) from None
     problems = ds.generate_problems(ds.split_seed(seed, "train"), n, task)

@@ -240,7 +240,10 @@ def replay(
 
     unknown = sorted(set(policy or ()) - set(POLICIES))
     if unknown:
-        raise _fail(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+        known = ", ".join(POLICIES)
+        raise _fail(
+            f"invalid value for --policy: unknown policy {', '.join(unknown)}; known: {known}"
+        )
     steps = _recorded_steps(trace_dir, run)
     plan = plan_replay(steps)
     fit = fit_decode(steps) if plan.mode == "tokens" else None

@@ -327,6 +327,13 @@ def rollout(
         )
     if (data is None) == (workload is None):
         raise typer.BadParameter("give one of --data or --workload", param_hint="--data")
+    if workload is not None:  # checked before the model is resolved (maybe built)
+        from tailcut.bench.workloads import WorkloadError, get_workload
+
+        try:
+            get_workload(workload)
+        except WorkloadError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--workload") from None
     opts = RolloutOptions(
         engine=engine, model=model, data=data, requests=requests, policy=policy, group_size=group_size,
         abort_ratio=abort_ratio, over_provision=over_provision, deadline_s=deadline_s, tools=tools,
