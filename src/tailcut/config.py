@@ -7,12 +7,13 @@ their sub-config (``CutoffConfig``), never the root. Configs are frozen after pa
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from tailcut.errors import TailcutError
 
@@ -29,6 +30,22 @@ class ConfigError(TailcutError, ValueError):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+DEVICES = "auto, cpu, cuda, cuda:N"
+"""The device strings a config takes (what the engine and the actor resolve)."""
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def check_device(value: str) -> str:
+    """``value`` if it is one of :data:`DEVICES` (checked without importing torch)."""
+    if not _DEVICE.fullmatch(value):
+        raise ValueError(f"unknown device {value!r} ({DEVICES})")
+    return value
+
+
+Device = Annotated[str, AfterValidator(check_device)]
+"""A device field: auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N."""
 
 
 class SimEngineConfig(_Model):
@@ -182,8 +199,8 @@ class EngineConfig(_Model):
     """Model directory, or ``builtin`` for the locally built tiny model."""
     urls: list[str] = Field(default_factory=list)
     """Server base URLs for sglang / vllm (one or many, data-parallel)."""
-    device: str = "auto"
-    """Device for the embedded engine: auto, cpu, cuda."""
+    device: Device = "auto"
+    """Device for the embedded engine: auto, cpu, cuda, cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the embedded engine (auto: bf16 on CUDA, fp32 on CPU)."""
     max_batch_size: int = Field(64, ge=1, le=4096)
@@ -364,17 +381,19 @@ def read_config_file(path: Path) -> tuple[dict[str, Any], Lines]:
         node = loader.get_single_node()
         loaded = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"{_yaml_where(path, text, exc)}: not valid YAML: {_yaml_problem(exc)}"
-        ) from None
+        raise ConfigError(yaml_error_text(path, text, exc)) from None
     finally:
         loader.dispose()
-    if node is None:
-        return {}, {}
+    if node is None or (loaded is None and node.value == ""):  # blank, comments, a bare ---
+        raise ConfigError(
+            f"config file {path} is empty (no settings in it); give a YAML config (see "
+            "configs/), or leave the file out to run on the defaults"
+        )
     if not isinstance(node, yaml.MappingNode) or not isinstance(loaded, dict):
+        got = "null" if loaded is None else f"a {type(loaded).__name__}"
         raise ConfigError(
             f"{path}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
-            f"(engine:, data:, trainer: ...), not a {type(loaded).__name__}"
+            f"(engine:, data:, trainer: ...), not {got}"
         )
     lines: Lines = {}
     _key_lines(path, node, (), lines)
@@ -396,6 +415,12 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError as exc:
         return exc.start >= len(data) - 3  # cut inside the last character
     return True
+
+
+def yaml_error_text(path: Path | str, text: str, exc: yaml.YAMLError) -> str:
+    """A YAML file's parse error on one line: ``file:line:col: not valid YAML: problem``
+    (``text``: the file's text, for a character YAML refuses)."""
+    return f"{_yaml_where(Path(path), text, exc)}: not valid YAML: {_yaml_problem(exc)}"
 
 
 def _yaml_where(path: Path, text: str, exc: yaml.YAMLError) -> str:
@@ -469,15 +494,45 @@ def format_validation_error(
         msg = err["msg"].removeprefix("Value error, ")
         named = _FIELD_IN_MESSAGE.match(msg) if not loc else None
         key = tuple(named.group(1).split(".")) if named else loc
-        text = msg if named else f"{'.'.join(loc) or '(root)'}: {msg}"
-        allowed = allowed_range(model, err["loc"]) if model is not None and loc else None
-        if allowed:
-            text += f"; allowed: {allowed}"
-        if loc and err["type"] not in ("missing", "value_error"):
-            text += f" (got {_short(err.get('input'))})"
+        if err["type"] == "extra_forbidden" and loc:
+            text = f"{'.'.join(loc)}: unknown key{_did_you_mean(model, err['loc'])}"
+        else:
+            text = msg if named else f"{'.'.join(loc) or '(root)'}: {msg}"
+            allowed = allowed_range(model, err["loc"]) if model is not None and loc else None
+            if allowed:
+                text += f"; allowed: {allowed}"
+            if loc and err["type"] not in ("missing", "value_error"):
+                text += f" (got {_short(err.get('input'))})"
         parts.append(f"{_source(key, path, lines or {}, overrides or {})}{text}")
     count = f" ({len(parts)} errors)" if len(parts) > 1 else ""
     return f"invalid configuration{count}: " + "; ".join(parts)
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> str:
+    """For an unknown key at ``loc``: ``; did you mean 'abort_ratio'?`` (the closest field
+    of its section), else the section's fields when they are few, else nothing."""
+    section = _model_at(model, loc[:-1]) if model is not None else None
+    if section is None:
+        return ""
+    names = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    where = ".".join(str(p) for p in loc[:-1])
+    if len(names) <= 12:
+        return f"; {where or 'the top level'} has: {', '.join(names)}"
+    return f"; not a field of {where}" if where else ""
+
+
+def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config model of the section at ``loc`` (``()``: ``model`` itself), or None."""
+    node: Any = model
+    for part in loc:
+        fields = getattr(node, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            return None
+        node = fields[part].annotation
+    return node if isinstance(node, type) and issubclass(node, BaseModel) else None
 
 
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+):")

@@ -149,7 +149,7 @@ def test_schema_renames_our_tools(tmp_path: Path) -> None:
         ("tools:\n  - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool\n"
          "    config: {sandbox_fusion_url: 'http://127.0.0.1:1/run_code', num_workers: many}\n",
          r"tools\[0\]\.config: fusion\.max_concurrency"),
-        ("tools: [\n", r"tools\.yaml: not valid YAML"),
+        ("tools: [\n", r"tools\.yaml:2:1: not valid YAML: while parsing a flow node"),
         ("- just a list\n", r"invalid tool config"),
     ],
 )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tailcut.app.wiring import engine_for, model_dir
-from tailcut.config import AgentLoopConfig, EngineConfig
+from tailcut.config import AgentLoopConfig, ConfigError, EngineConfig
 from tailcut.engine.base import Engine
 from tailcut.engine.hf.load import resolve_device
 from tailcut.reward.registry import RewardFn
@@ -72,6 +72,15 @@ def load_rows(
     return train, val
 
 
+def check_tool_config(cfg: DataConfig) -> None:
+    """``data.tool_config`` (when set) read and checked (YAML, fields, tool classes) without
+    building its tools: a bad file is refused before the model is built or loaded."""
+    if cfg.tool_config:
+        from tailcut.tools.registry import check_tool_config as check
+
+        check(cfg.tool_config)
+
+
 def make_toolset(cfg: DataConfig) -> ToolSet:
     """``data.tool_config`` (a verl tool-config file), else the registered tools ``data.tools``."""
     from tailcut.tools.registry import load_tool_config, tools_by_name
@@ -102,10 +111,7 @@ def make_actor(cfg: TrainConfig, path: Path, ranks: Ranks | None = None) -> Acto
     ranks = ranks or Ranks.single()
     if cfg.actor.threads:
         torch.set_num_threads(cfg.actor.threads)
-    if ranks.distributed:
-        device = ranks.device(cfg.actor.device)
-    else:
-        device = resolve_device(cfg.actor.device, option="actor.device:")
+    device = actor_device(cfg, ranks)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation=_exact_attention(path)
     )
@@ -121,6 +127,28 @@ def make_actor(cfg: TrainConfig, path: Path, ranks: Ranks | None = None) -> Acto
         ranks=ranks,
         vocab_rows=_sampled_rows(cfg, path),
     )
+
+
+def actor_device(cfg: TrainConfig, ranks: Ranks) -> torch.device:
+    """The actor's device (of this rank). One that is not here (``actor.device=cuda`` and no
+    CUDA) is a ``ConfigError`` naming the field, as the engine's is (``wiring.engine_for``)."""
+    if ranks.distributed:
+        return ranks.device(cfg.actor.device)
+    try:
+        return resolve_device(cfg.actor.device, option="actor.device:")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_devices(cfg: TrainConfig, ranks: Ranks) -> None:
+    """The actor's and the embedded engine's devices are here: checked before the model is
+    built or loaded (each is a ``ConfigError`` naming its field)."""
+    actor_device(cfg, ranks)
+    if cfg.engine.kind == "hf" and not ranks.distributed:  # ranks: rank_engine_config
+        try:
+            resolve_device(cfg.engine.device, option="engine.device:")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _sampled_rows(cfg: TrainConfig, path: Path) -> int | None:
@@ -193,6 +221,8 @@ def build_setup(cfg: TrainConfig, ranks: Ranks | None = None) -> TrainSetup:
     ranks = ranks or Ranks.single()
     if ranks.distributed:
         cfg = cfg.model_copy(update={"engine": rank_engine_config(cfg.engine, ranks)})
+    check_devices(cfg, ranks)  # what fails fast is refused before the model is built or loaded
+    check_tool_config(cfg.data)
 
     path = model_dir(cfg.engine.model, "engine.model")
     if cfg.engine.kind == "hf":  # a model it cannot run: refused before anything is loaded

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tailcut.config import yaml_error_text
 from tailcut.errors import TailcutError
 from tailcut.tools.base import (
     TIMEOUT_GRACE_S,
@@ -106,25 +107,47 @@ def _validation_message(source: str, exc: ValidationError) -> str:
 
 def load_tool_config(path: str | Path) -> ToolSet:
     """The :class:`ToolSet` a verl tool-config YAML file describes."""
-    path = Path(path)
+    return build_toolset(_read(Path(path)), source=str(path))
+
+
+def check_tool_config(path: str | Path) -> None:
+    """Refuse a tool-config file that cannot load (:class:`ToolConfigError` naming the file
+    and the field) without building its tools: it parses, its fields validate, each entry's
+    class imports and its ``config.type`` is native. What only a tool's own constructor
+    checks (its options) is found by :func:`load_tool_config`."""
+    source = str(path)
+    spec = _spec(_read(Path(path)), source)
+    for i, entry in enumerate(spec.tools):
+        where = f"{source}: tools[{i}]"
+        resolve_class(entry.class_name, where)
+        _check_native(entry.config, where)
+
+
+def _read(path: Path) -> Any:
+    """The YAML a tool-config file holds; a parse error is ``file:line:col: ...``."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ToolConfigError(f"tool config {path} does not exist") from None
     except UnicodeDecodeError as exc:
         raise ToolConfigError(
             f"{path}: not UTF-8 text (byte {exc.start}): is it a YAML file?"
         ) from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ToolConfigError(f"{path}: not valid YAML: {exc}") from None
-    return build_toolset(raw, source=str(path))
+        raise ToolConfigError(yaml_error_text(path, text, exc)) from None
+
+
+def _spec(raw: Any, source: str) -> ToolConfigFile:
+    try:
+        return ToolConfigFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ToolConfigError(_validation_message(source, exc)) from None
 
 
 def build_toolset(raw: Any, *, source: str = "tool config") -> ToolSet:
-    try:
-        spec = ToolConfigFile.model_validate(raw)
-    except ValidationError as exc:
-        raise ToolConfigError(_validation_message(source, exc)) from None
+    spec = _spec(raw, source)
     tools: dict[str, Tool] = {}
     limits: dict[str, ToolLimits] = {}
     for i, entry in enumerate(spec.tools):

@@ -16,6 +16,7 @@ from tailcut.config import (
     OVER_PROVISION_MAX,
     AgentLoopConfig,
     CutoffConfig,
+    Device,
     EngineConfig,
     ScheduleConfig,
     load_config,
@@ -152,8 +153,8 @@ class ActorConfig(_Model):
     offload: bool = False
     """Sharded runs on CUDA: keep the parameter, gradient and optimizer shards on the CPU
     (FSDP2 ``CPUOffloadPolicy``; the optimizer step runs there)."""
-    device: str = "auto"
-    """auto, cpu, cuda, cuda:N."""
+    device: Device = "auto"
+    """auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype (auto: bf16 autocast on CUDA, fp32 on CPU); weights stay fp32."""
     threads: int | None = Field(None, ge=1, le=1024)
@@ -308,6 +309,15 @@ class TrainConfig(_Model):
     """Weight sync to the engine after each update."""
     rollout: RolloutConfig = RolloutConfig()
     """Rollout workers (how many, local or on Ray)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_engine_by_default(cls, data: Any) -> Any:
+        """An ``engine`` section (or override) that names no ``kind`` is the embedded engine,
+        as no section is (``engine.device=cpu`` alone does not turn it into ``sim``)."""
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict):
+            data = {**data, "engine": {"kind": "hf", **data["engine"]}}
+        return data
 
     @model_validator(mode="before")
     @classmethod

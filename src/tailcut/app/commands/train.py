@@ -3,7 +3,11 @@
 Errors come out through the CLI's boundary (``app/cli.py``): a bad config or run directory
 exits 2 before the model is loaded. SIGINT and SIGTERM cancel the run (its ``finally``
 blocks close the metrics file, workers and engine) and exit 130 / 143 with one line; the
-same command continues from the last checkpoint.
+same command continues from the last checkpoint. During setup (loading the config, joining
+the ranks, building or loading the model, data and engine: blocking work the event loop
+cannot interrupt) either signal raises at once where the work is, so the run stops within
+moments, not when the work ends (a model build removes its temporary directory: nothing
+half-built is left for a later run to load).
 
 ``TAILCUT_FAULT=STEP:PHASE:SIGNAL`` (crash tests only; ``TAILCUT_FAULT_RANK=R``: in rank R
 of a job only) makes the run send itself SIGNAL (INT, TERM or KILL) at PHASE of STEP, a phase of ``Trainer``'s fault hook: ``rollout``,
@@ -16,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -38,17 +42,28 @@ FAULT_ENV = "TAILCUT_FAULT"
 class Interrupted(TailcutError):
     """The run was stopped by a signal (exit 128 + its number)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, in_setup: bool = False) -> None:
         name = signal.Signals(signum).name
-        super().__init__(
-            f"interrupted by {name}; run the same command again to continue from the last "
-            "checkpoint (trainer.resume=auto)"
-        )
+        if in_setup:
+            text = (
+                f"interrupted by {name} during setup (config, model, data, engine), before "
+                "any step; run the same command again to start (or continue from the last "
+                "checkpoint: trainer.resume=auto)"
+            )
+        else:
+            text = (
+                f"interrupted by {name}; run the same command again to continue from the last "
+                "checkpoint (trainer.resume=auto)"
+            )
+        super().__init__(text)
         self.exit_code = 128 + signum
 
 
 def train(
-    config: Annotated[Path | None, typer.Argument(help="YAML config (see configs/).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="YAML config (see configs/); left out, every setting is its default."),
+    ] = None,
     overrides: Annotated[
         list[str] | None,
         typer.Argument(help="Dotted key=value overrides, e.g. cutoff.policy=deadline."),
@@ -62,27 +77,73 @@ def train(
 
     console = Console()
     items = list(overrides or [])
-    if config is not None and "=" in config.name and not config.exists():
-        items.insert(0, str(config))  # `tailcut train key=value` without a file
-        config = None
+    key, eq, _ = str(config).partition("=")
+    if config is not None and eq and "/" not in key and not config.exists():
+        items.insert(0, str(config))  # `tailcut train key=value` without a file (the value
+        config = None  # may be a path: engine.model=/models/x)
     cfg = load_train_config(config, items)
     n = cfg.trainer.nproc_per_node
     if (n > 1 or cfg.actor.offload) and "RANK" not in os.environ:  # ranks; each comes back here
         raise typer.Exit(launch_ranks(n, ["train", *([str(config)] if config else []), *items]))
+    if config is None and "RANK" not in os.environ:
+        console.print(
+            "note: no config file given; every setting but the overrides is its default",
+            soft_wrap=True,
+        )
     from tailcut.train.distributed import close, from_env
 
-    ranks = from_env(cfg.trainer.dist_timeout_s)
-    try:
-        if ranks.is_main:
-            check_run_dir(cfg)  # before the model is built or loaded (the trainer checks again)
-        else:
-            console = Console(quiet=True)
-        fault = fault_from_env()
-        summary = run_until_signal(lambda: _run(cfg, console, fault, ranks))
-        ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
-    finally:
-        close(ranks)
+    # Outside the event loop's run (joining the ranks, checking the run directory) SIGTERM
+    # stops the command as SIGINT does: KeyboardInterrupt, then Interrupted.
+    stopped: list[int] = []
+    summary: TrainSummary | None = None
+    with _stop_at_once(stopped, signal.SIGTERM):
+        try:
+            ranks = from_env(cfg.trainer.dist_timeout_s)
+            try:
+                if ranks.is_main:  # before the model is built or loaded (the trainer checks
+                    check_run_dir(cfg)  # again)
+                    can_create_run_dir(cfg.trainer.run_dir)
+                else:
+                    console = Console(quiet=True)
+                fault = fault_from_env()
+                summary = run_until_signal(
+                    lambda ready: _run(cfg, console, fault, ranks, ready), stopped
+                )
+                # The ranks tear the group down together (one gone first: gloo aborts).
+                ranks.barrier()
+            finally:
+                close(ranks)
+        except KeyboardInterrupt:
+            signum = stopped[-1] if stopped else signal.SIGINT
+            raise Interrupted(signum, in_setup=summary is None) from None
     _print_summary(console, summary)
+
+
+def can_create_run_dir(run_dir: str) -> None:
+    """Create ``trainer.run_dir`` where it is missing, and remove again what was created
+    (the trainer claims it once the model is loaded): a directory that cannot be made (a
+    parent that is a file or read-only, a path under /proc) is a ``RunDirError`` naming the
+    field before the model is built or loaded."""
+    from tailcut.train.run_dir import RunDirError
+
+    where = f"trainer.run_dir={run_dir}"
+    path = Path(run_dir)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    above = next((p for p in path.parents if p.exists()), None)
+    if missing and above is not None and not above.is_dir():
+        raise RunDirError(f"{where}: {above} is a file; give a directory for the run")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = (exc.strerror or type(exc).__name__).lower()
+        raise RunDirError(
+            f"{where}: cannot create {exc.filename or path} ({why}); give a directory that "
+            "can be created, e.g. trainer.run_dir=runs/NAME"
+        ) from None
+    finally:
+        for created in missing:  # deepest first; one that is not empty stays
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 def launch_ranks(n: int, args: list[str]) -> int:
@@ -94,30 +155,88 @@ def launch_ranks(n: int, args: list[str]) -> int:
     return subprocess.call([*cmd, f"--nproc-per-node={n}", "-m", "tailcut", *args])
 
 
-def run_until_signal(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """``asyncio.run`` at this edge. SIGINT (``asyncio.run`` cancels the main task) and
-    SIGTERM (cancelled the same way) come out as :class:`Interrupted`."""
+def _raise_on(stopped: list[int]) -> Callable[[int, Any], None]:
+    """A signal handler that records the signal in ``stopped`` and raises
+    ``KeyboardInterrupt`` where the main thread is (blocking work: a model build, a load),
+    so it stops at once and its ``finally`` blocks run."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    return handler
+
+
+@contextlib.contextmanager
+def _stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
+    """While inside, each of ``signums`` raises at once (:func:`_raise_on`); the handlers
+    before are put back on the way out. Not in the main thread, or a signal this process
+    ignores (``SIG_IGN``, as a shell's background job ignores SIGINT): nothing changes."""
+    before: dict[int, Any] = {}
+    with contextlib.suppress(ValueError):  # not the main thread
+        for signum in signums:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                before[signum] = signal.signal(signum, _raise_on(stopped))
+    try:
+        yield before  # the handlers to put back (the caller may take some over)
+    finally:
+        for signum, old in before.items():
+            if old is not None:  # None: a handler not set from Python
+                signal.signal(signum, old)
+
+
+def run_until_signal(
+    make: Callable[[Callable[[], None]], Coroutine[Any, Any, T]], stopped: list[int] | None = None
+) -> T:
+    """``asyncio.run`` at this edge; SIGINT and SIGTERM come out as :class:`Interrupted`.
+
+    ``make(ready)`` is the run. Until it calls ``ready()`` (its setup done) either signal
+    raises ``KeyboardInterrupt`` at once (:func:`_raise_on`: setup blocks the event loop, a
+    handler on the loop would run only once it ends); after, SIGINT (``asyncio.run``
+    cancels the main task) and SIGTERM (cancelled the same way) let the run's ``finally``
+    blocks close what it opened. ``stopped`` collects the signals received."""
     import asyncio
 
-    stopped: list[int] = []
+    stopped = [] if stopped is None else stopped
+    switched = False
 
     async def main() -> T:
         task = asyncio.current_task()
         assert task is not None
+        loop = asyncio.get_running_loop()
 
         def stop() -> None:
             stopped.append(signal.SIGTERM)
             task.cancel()
 
-        # Not in the main thread (or no signals there): SIGTERM keeps its default.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
-        return await make()
+        def ready() -> None:
+            nonlocal switched
+            if switched:
+                return
+            switched = True
+            # Not in the main thread (or no signals there): SIGTERM keeps its handler.
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.add_signal_handler(signal.SIGTERM, stop)
+            if runner_sigint is not None:  # None: a handler not set from Python
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGINT, runner_sigint)
+
+        # asyncio.run's SIGINT handler (it cancels this task) is put back by ready(), or on
+        # the way out, where asyncio.run finds it to restore the default.
+        runner_sigint = signal.getsignal(signal.SIGINT)
+        with _stop_at_once(stopped, signal.SIGINT, signal.SIGTERM) as before:
+            try:
+                return await make(ready)
+            finally:
+                if switched:  # the loop has SIGTERM now, SIGINT is asyncio.run's again
+                    before.clear()
 
     try:
         return asyncio.run(main())
     except KeyboardInterrupt:
-        raise Interrupted(signal.SIGINT) from None
+        signum = stopped[-1] if stopped else signal.SIGINT
+        raise Interrupted(signum, in_setup=not switched) from None
     except asyncio.CancelledError:
         if stopped:
             raise Interrupted(stopped[0]) from None
@@ -148,8 +267,14 @@ def fault_from_env() -> FaultHook | None:
 
 
 async def _run(
-    cfg: TrainConfig, console: Console, fault: FaultHook | None, ranks: Ranks | None = None
+    cfg: TrainConfig,
+    console: Console,
+    fault: FaultHook | None,
+    ranks: Ranks | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> TrainSummary:
+    """The run: its setup (``ready()`` once it is done: :func:`run_until_signal`), then the
+    trainer's steps; the setup is closed whatever happens after it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tailcut.app.train_setup import build_setup
@@ -158,9 +283,11 @@ async def _run(
 
     console.print(f"[bold]tailcut train[/bold] → {cfg.trainer.run_dir}")
     setup = build_setup(cfg, ranks)
-    trainer = Trainer(cfg, setup, console=console, fault=fault)
-    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
+        if ready is not None:
+            ready()
+        trainer = Trainer(cfg, setup, console=console, fault=fault)
+        columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("steps", total=cfg.trainer.steps)
             summary = await trainer.run(lambda k, n: bar.update(task, completed=k))

@@ -1,0 +1,65 @@
+"""A signal during ``tailcut train``'s setup stops it at once: the built-in model's build
+(minutes, blocking the event loop) is interrupted where it is, the run exits 143 (SIGTERM)
+or 130 (SIGINT) with one ``error:`` line saying so, and the model cache holds no
+half-built model (the build's temporary directory is removed; no model directory is there
+for a later run to load)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+STOP_WITHIN_S = 20.0
+
+
+def _building(models: Path) -> bool:
+    """The build's temporary directory (``.<hash>.*``, renamed into place when done) is there."""
+    return models.is_dir() and any(p.name.startswith(".") for p in models.iterdir())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_model_build_stops_the_run_at_once(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TAILCUT_FAULT", "TAILCUT_DEBUG")}
+    env.update(TAILCUT_CACHE=str(cache), COLUMNS="200", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailcut", "train", "configs/arith-tiny.yaml",
+         f"trainer.run_dir={run}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not _building(cache / "models"):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the model build did not start in 120 s"
+            time.sleep(0.1)
+        time.sleep(1.0)  # well inside the build (it takes minutes)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        try:
+            out, err = proc.communicate(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{signum.name} did not stop the run within {STOP_WITHIN_S:g} s")
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signum, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"error: interrupted by {signum.name} during setup"), lines
+    assert took < STOP_WITHIN_S
+    # Nothing half-built: no model directory, no temporary build directory left.
+    assert list((cache / "models").iterdir()) == []
+    assert not run.exists()
