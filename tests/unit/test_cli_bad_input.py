@@ -218,6 +218,13 @@ def test_rollout_names_the_workload_option_before_loading_a_model(tmp_path: Path
     assert "Invalid value for --workload: unknown workload 'nonsense'; known: " in msg
 
 
+def test_rollout_names_the_device_option_before_loading_a_model(tmp_path: Path):
+    args = ["rollout", "--workload", "seed-gsm8k", "--device", "quantum",
+            "--model", str(tmp_path / "no-model")]  # fmt: skip
+    msg = _usage_error(args)
+    assert "Invalid value for --device: unknown device 'quantum' (auto, cpu, cuda, cuda:N)" in msg
+
+
 def test_replay_names_the_policy_option(tmp_path: Path):
     msg = _error(["replay", str(tmp_path), "--policy", "fastest"])
     assert msg.startswith("invalid value for --policy: unknown policy fastest; known: ")

@@ -289,7 +289,7 @@ Tools = Annotated[
     Path | None, typer.Option(help="verl tool-config YAML (default: tools.yaml beside the data).")
 ]
 Urls = Annotated[list[str] | None, typer.Option(help="Server URL for sglang / vllm (repeatable).")]
-Device = Annotated[str, typer.Option(help="hf engine device: auto, cpu, cuda.")]
+Device = Annotated[str, typer.Option(help="hf engine device: auto, cpu, cuda, cuda:N.")]
 MaxTurns = Annotated[
     int, typer.Option(min=1, max=1000, help="Most assistant turns per trajectory.")
 ]
@@ -327,6 +327,12 @@ def rollout(
         )
     if (data is None) == (workload is None):
         raise typer.BadParameter("give one of --data or --workload", param_hint="--data")
+    from tailcut.config import check_device
+
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
     if workload is not None:  # checked before the model is resolved (maybe built)
         from tailcut.bench.workloads import WorkloadError, get_workload
 
