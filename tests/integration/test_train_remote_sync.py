@@ -47,7 +47,9 @@ def test_training_on_sglang_servers_syncs_and_tags_every_version(
     assert all(r["sync/bytes"] > 0 and r["sync/load_s"] >= 0 for r in steps)
     # tokens of step k were sampled by version k - 1: the servers' tags reached the batch
     assert all(r["train/version_lag_max"] == 0.0 for r in steps)
-    assert all(r["rollout/cut_time_s"] > 0 and r["batch/surplus"] == 4 for r in steps)
+    # a request the fake server steps a moment late may be aborted rather than surplus
+    assert all(r["rollout/cut_time_s"] > 0 for r in steps)
+    assert all(r["batch/surplus"] + r["rollout/aborted"] == 4 for r in steps)
     weights = run_dir / "weights"
     for server in servers:
         assert [b["weight_version"] for b in server.update_log] == ["0", "1", "2"]

@@ -163,7 +163,7 @@ def test_math_verify_worker_that_hangs_is_killed_and_replaced() -> None:
     assert first.timed_out and not first.correct
     assert second.timed_out
     assert workers == 2  # the stuck one was killed, a fresh one took its slot
-    assert elapsed < 2
+    assert elapsed < 10  # a worker's start and the hard time-out, not the stuck 3600 s
 
 
 def test_math_verify_cancel_mid_answer_kills_the_worker() -> None:

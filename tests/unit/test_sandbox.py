@@ -84,15 +84,16 @@ def test_exit_code_and_exception_are_errors(box: Box) -> None:
 
 def test_sleep_past_the_timeout_is_killed_with_partial_output(box: Box) -> None:
     started = time.monotonic()
-    r = box.run("import time\nprint('started', flush=True)\ntime.sleep(30)\n", timeout_s=1.0)
+    # the time-out counts from the supervisor's start: Python must start twice within it
+    r = box.run("import time\nprint('started', flush=True)\ntime.sleep(60)\n", timeout_s=5.0)
     assert r.status == "timeout"
     assert r.stdout == "started\n"
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15
 
 
 @pytest.mark.slow  # needs 1 s of CPU time, however long that takes on a busy machine
 def test_busy_loop_hits_the_cpu_limit(box: Box) -> None:
-    b = Box(box.runs_dir, cpu_time_s=1.0, timeout_s=20.0)  # CPU time, not wall time, ends it
+    b = Box(box.runs_dir, cpu_time_s=1.0, timeout_s=120.0)  # CPU time, not wall time, ends it
     r = b.run("while True:\n    pass\n")
     assert r.status == "timeout"
     assert r.detail == "CPU-time limit 1 s"
@@ -232,7 +233,7 @@ def test_cancel_mid_run_kills_everything_and_removes_the_dir(box: Box) -> None:
     elapsed = asyncio.run(main())
     box.assert_clean()
     print(f"cancel to clean: {elapsed * 1000:.1f} ms")
-    assert elapsed < 1.0, f"cleanup after cancel took {elapsed:.3f} s"  # not the 30 s timeout
+    assert elapsed < 5.0, f"cleanup after cancel took {elapsed:.3f} s"  # not the 30 s timeout
 
 
 def test_stdin_and_files_reach_the_program(box: Box) -> None:

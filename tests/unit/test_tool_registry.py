@@ -195,21 +195,21 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_a_call_waits_for_a_sandbox_slot_before_its_time_out_starts(tmp_path: Path) -> None:
-    """One sandbox slot, four programs of 0.8 s at once, 3 s a call: the last one ends
-    ~3.2 s after they were sent. Waiting for the slot is not part of its time-out."""
+    """One sandbox slot, four programs of 1.5 s at once, 5.5 s a call: the last one ends
+    over 6 s after they were sent. Waiting for the slot is not part of its time-out."""
     text = """
 tools:
   - class_name: tailcut.tools.code_interpreter.CodeInterpreterTool
     config:
-      timeout: 3
-      max_timeout_s: 2
-      sandbox: {timeout_s: 2, max_concurrency: 1}
+      timeout: 5.5
+      max_timeout_s: 5
+      sandbox: {timeout_s: 5, max_concurrency: 1}
 """
     toolset = load_tool_config(write(tmp_path, text))
 
     async def main() -> list[str]:
         async with toolset.session("s", {}) as session:
-            calls = [session.call("code_interpreter", {"code": "import time; time.sleep(0.8)"})
+            calls = [session.call("code_interpreter", {"code": "import time; time.sleep(1.5)"})
                      for _ in range(4)]  # fmt: skip
             return [r.status for r in await asyncio.gather(*calls)]
 
