@@ -265,9 +265,9 @@ def write_dataset(
     *,
     overwrite: bool = True,
 ) -> dict[str, int]:
-    """Write the calculator's word problems: ``train.parquet``, ``test.parquet`` (none of the train split's) and
-    ``tools.yaml``, into ``out``; existing ones are replaced only with ``overwrite`` (else
-    ``DataError`` names them, before any problem is drawn)."""
+    """Write the calculator's word problems into ``out``: ``train.parquet``, ``test.parquet``
+    (none of the train split's) and ``tools.yaml``; existing ones are replaced only with
+    ``overwrite`` (else ``DataError`` names them, before any problem is drawn)."""
     synth.check_outputs(out, overwrite)
     counts = (n_train, n_test)
     splits = synth.split_problems(

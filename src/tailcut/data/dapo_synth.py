@@ -279,9 +279,9 @@ def write_dataset(
     *,
     overwrite: bool = True,
 ) -> dict[str, int]:
-    """Write the code interpreter's problems: ``train.parquet``, ``test.parquet`` (none of the train split's) and
-    ``tools.yaml``, into ``out``; existing ones are replaced only with ``overwrite`` (else
-    ``DataError`` names them, before any problem is drawn)."""
+    """Write the code interpreter's problems into ``out``: ``train.parquet``, ``test.parquet``
+    (none of the train split's) and ``tools.yaml``; existing ones are replaced only with
+    ``overwrite`` (else ``DataError`` names them, before any problem is drawn)."""
     synth.check_outputs(out, overwrite)
     counts = (n_train, n_test)
     splits = synth.split_problems(
