@@ -63,3 +63,34 @@ def test_a_signal_during_the_model_build_stops_the_run_at_once(
     # Nothing half-built: no model directory, no temporary build directory left.
     assert list((cache / "models").iterdir()) == []
     assert not run.exists()
+
+
+def test_sigterm_while_a_rank_joins_its_group_kills_it_at_once(tmp_path: Path) -> None:
+    """Joining the process group blocks in C++ (a Python handler would run only after the
+    group's time-out): there SIGTERM keeps its default action."""
+    import socket
+
+    with socket.socket() as s:  # a port no rank 0 listens on: the join waits
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TAILCUT_FAULT", "TAILCUT_DEBUG")}
+    env.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TAILCUT_GLOO="1", TAILCUT_CACHE=str(tmp_path / "cache"))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailcut", "train", "configs/arith-tiny.yaml",
+         f"trainer.run_dir={tmp_path / 'run'}", "trainer.dist_timeout_s=120"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(8.0)  # past the imports, into the join
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"SIGTERM did not stop a joining rank within {STOP_WITHIN_S:g} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM

@@ -90,13 +90,13 @@ def test_memory_limit_holds_for_the_whole_run_not_each_process(runs_dir: Path) -
     assert "memory cgroup" in r.isolation["memory_limit"]
 
 
-def _connect_from_the_sandbox(box: Box, parent: str) -> tuple[Any, str]:
-    """A listening socket any uid may connect to, in a fresh dir under ``parent``; the
-    sandboxed program's attempt to connect to it: (its result, the socket's path)."""
+def _connect_from_the_sandbox(box: Box, parent: str, name: str = "agent.sock") -> tuple[Any, str]:
+    """A listening socket ``name`` any uid may connect to, in a fresh dir under ``parent``;
+    the sandboxed program's attempt to connect to it: (its result, the socket's path)."""
     host_dir = tempfile.mkdtemp(dir=parent, prefix="tailcut-sbx-test-")
     try:
         os.chmod(host_dir, 0o755)
-        path = os.path.join(host_dir, "agent.sock")
+        path = os.path.join(host_dir, name)
         with socket.socket(socket.AF_UNIX) as server:
             server.bind(path)
             server.listen()
@@ -126,11 +126,12 @@ def test_host_unix_sockets_under_run_cannot_be_reached(box: Box) -> None:
     assert "/run hidden" in r.isolation["filesystem"]
 
 
-def test_host_unix_sockets_elsewhere_cannot_be_reached(box: Box) -> None:
+@pytest.mark.parametrize("name", ["agent.sock", os.fsdecode(b"agent-\xff.sock")])
+def test_host_unix_sockets_elsewhere_cannot_be_reached(box: Box, name: str) -> None:
     # outside /run and /tmp (both replaced in the sandbox): the socket is visible through
     # the read-only host file system, and connect() ignores read-only mounts and network
-    # namespaces alike
-    r, _ = _connect_from_the_sandbox(box, str(Path(__file__).parent))
+    # namespaces alike; a name that is not UTF-8 is hidden too (and breaks no run)
+    r, _ = _connect_from_the_sandbox(box, str(Path(__file__).parent), name)
     assert r.status == "ok", r.stderr
     if r.isolation["mounts"].startswith("NOT isolated"):
         pytest.skip(f"no mount namespace here: {r.isolation['mounts']}")

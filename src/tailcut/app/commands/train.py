@@ -3,11 +3,12 @@
 Errors come out through the CLI's boundary (``app/cli.py``): a bad config or run directory
 exits 2 before the model is loaded. SIGINT and SIGTERM cancel the run (its ``finally``
 blocks close the metrics file, workers and engine) and exit 130 / 143 with one line; the
-same command continues from the last checkpoint. During setup (loading the config, joining
-the ranks, building or loading the model, data and engine: blocking work the event loop
-cannot interrupt) either signal raises at once where the work is, so the run stops within
+same command continues from the last checkpoint. During setup (checking the run directory,
+building or loading the model, data and engine: blocking work the event loop cannot
+interrupt) either signal raises at once where the work is, so the run stops within
 moments, not when the work ends (a model build removes its temporary directory: nothing
-half-built is left for a later run to load).
+half-built is left for a later run to load). While the ranks of a sharded run join the
+process group or tear it down, SIGTERM keeps its default action.
 
 ``TAILCUT_FAULT=STEP:PHASE:SIGNAL`` (crash tests only; ``TAILCUT_FAULT_RANK=R``: in rank R
 of a job only) makes the run send itself SIGNAL (INT, TERM or KILL) at PHASE of STEP, a phase of ``Trainer``'s fault hook: ``rollout``,
@@ -92,13 +93,14 @@ def train(
         )
     from tailcut.train.distributed import close, from_env
 
-    # Outside the event loop's run (joining the ranks, checking the run directory) SIGTERM
-    # stops the command as SIGINT does: KeyboardInterrupt, then Interrupted.
+    # While the ranks join and tear down, SIGTERM keeps its default action: those calls
+    # block in C++, where a Python handler would run only after the group's time-out.
+    ranks = from_env(cfg.trainer.dist_timeout_s)
     stopped: list[int] = []
     summary: TrainSummary | None = None
-    with _stop_at_once(stopped, signal.SIGTERM):
-        try:
-            ranks = from_env(cfg.trainer.dist_timeout_s)
+    try:
+        # checking the run directory, then the run: SIGTERM stops it as SIGINT does
+        with _stop_at_once(stopped, signal.SIGTERM):
             try:
                 if ranks.is_main:  # before the model is built or loaded (the trainer checks
                     check_run_dir(cfg)  # again)
@@ -109,13 +111,12 @@ def train(
                 summary = run_until_signal(
                     lambda ready: _run(cfg, console, fault, ranks, ready), stopped
                 )
-                # The ranks tear the group down together (one gone first: gloo aborts).
-                ranks.barrier()
-            finally:
-                close(ranks)
-        except KeyboardInterrupt:
-            signum = stopped[-1] if stopped else signal.SIGINT
-            raise Interrupted(signum, in_setup=summary is None) from None
+            except KeyboardInterrupt:
+                signum = stopped[-1] if stopped else signal.SIGINT
+                raise Interrupted(signum, in_setup=summary is None) from None
+        ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
+    finally:
+        close(ranks)
     _print_summary(console, summary)
 
 

@@ -13,8 +13,8 @@ Each run gets a fresh temp directory and a supervisor process
 * a read-only view of the file system except its work dir and a private ``/tmp``, which
   share one tmpfs of ``disk_mb`` (the kernel answers ENOSPC past it; the host's disk
   never grows); ``/run`` and ``/var/run`` are empty and every other Unix socket the host
-  has bound (in its network namespace) is covered by ``/dev/null``, so the host's
-  services cannot be reached through their sockets;
+  has bound by an absolute path (in its network namespace) is covered by ``/dev/null``,
+  so the host's services cannot be reached through their sockets;
 * a supervisor that inherits none of tailcut's environment variables.
 
 stdout and stderr are read concurrently; each keeps its first ``max_output_bytes`` and

@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -71,7 +72,7 @@ def _call(name: str, *args: object) -> None:
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    enc = [None if s is None else s.encode() for s in (src, target, fstype, data)]
+    enc = [None if s is None else os.fsencode(s) for s in (src, target, fstype, data)]
     _call("mount", enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3])
 
 
@@ -144,12 +145,17 @@ def enter_namespaces(wanted: list[str], notes: dict) -> None:
 
 
 def _mount_points() -> list[str]:
+    """Every mount point, as a path ``os`` functions take (a name that is not UTF-8 too:
+    mountinfo shows the bytes, with space, tab, newline and backslash as octal escapes)."""
     points = []
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            raw = line.split()[4]
-            points.append(raw.encode().decode("unicode_escape"))
+            raw = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), line.split()[4])
+            points.append(os.fsdecode(raw))
     return points
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 def _under(path: str, roots: tuple[str, ...] | list[str]) -> bool:
@@ -279,9 +285,10 @@ def expose(paths: list[str], made: list[str]) -> list[str]:
 
 
 def host_sockets() -> list[str]:
-    """Paths of the Unix sockets bound in this network namespace, read before leaving it:
-    a filesystem socket stays reachable from any network namespace, and a read-only mount
-    does not stop ``connect``. (Sockets bound in other network namespaces are not listed.)"""
+    """Absolute paths of the Unix sockets bound in this network namespace, read before
+    leaving it: a filesystem socket stays reachable from any network namespace, and a
+    read-only mount does not stop ``connect``. Not listed: sockets bound in other network
+    namespaces, and ones bound by a relative path (the kernel shows the path as given)."""
     paths = set()
     with contextlib.suppress(OSError), open("/proc/net/unix", errors="surrogateescape") as f:
         next(f, None)  # the header
@@ -307,8 +314,8 @@ def hide_sockets(paths: list[str], skip: list[str], made: list[str]) -> tuple[in
             continue
         try:
             _mount("/dev/null", path, None, MS_BIND, None)
-        except OSError as exc:
-            failed.append(f"{path}: {exc.strerror}")
+        except (OSError, ValueError) as exc:  # one that cannot be hidden fails no run
+            failed.append(f"{path!r}: {getattr(exc, 'strerror', None) or exc}")
             continue
         made.append(path)
         hidden += 1
