@@ -129,15 +129,20 @@ def make_actor(cfg: TrainConfig, path: Path, ranks: Ranks | None = None) -> Acto
     )
 
 
-def actor_device(cfg: TrainConfig, ranks: Ranks) -> torch.device:
-    """The actor's device (of this rank). One that is not here (``actor.device=cuda`` and no
-    CUDA) is a ``ConfigError`` naming the field, as the engine's is (``wiring.engine_for``)."""
-    if ranks.distributed:
-        return ranks.device(cfg.actor.device)
+def _device_here(value: str, field: str) -> torch.device:
+    """``resolve_device``; a device that is not here (``cuda`` and no CUDA) is a
+    ``ConfigError`` naming ``field``, as the engine's is (``wiring.engine_for``)."""
     try:
-        return resolve_device(cfg.actor.device, option="actor.device:")
+        return resolve_device(value, option=f"{field}:")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def actor_device(cfg: TrainConfig, ranks: Ranks) -> torch.device:
+    """The actor's device (of this rank); see :func:`_device_here`."""
+    if ranks.distributed:
+        return ranks.device(cfg.actor.device)
+    return _device_here(cfg.actor.device, "actor.device")
 
 
 def check_devices(cfg: TrainConfig, ranks: Ranks) -> None:
@@ -145,10 +150,7 @@ def check_devices(cfg: TrainConfig, ranks: Ranks) -> None:
     built or loaded (each is a ``ConfigError`` naming its field)."""
     actor_device(cfg, ranks)
     if cfg.engine.kind == "hf" and not ranks.distributed:  # ranks: rank_engine_config
-        try:
-            resolve_device(cfg.engine.device, option="engine.device:")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        _device_here(cfg.engine.device, "engine.device")
 
 
 def _sampled_rows(cfg: TrainConfig, path: Path) -> int | None:

@@ -140,15 +140,20 @@ def split_problems(
     return {"train": train, "test": test}
 
 
+def _outputs(out: Path) -> dict[str, Path]:
+    """The files :func:`write_dataset` writes into ``out``: each split's parquet, ``tools``."""
+    return {
+        **{split: Path(out) / f"{split}.parquet" for split in SPLITS},
+        "tools": Path(out) / "tools.yaml",
+    }
+
+
 def check_outputs(out: Path, overwrite: bool) -> None:
     """Refuse to replace the files :func:`write_dataset` writes into ``out`` unless
     ``overwrite``: ``DataError`` names those that exist. Call it before drawing problems."""
     from tailcut.data.verl import check_overwrite
 
-    out = Path(out)
-    check_overwrite(
-        [*(out / f"{split}.parquet" for split in SPLITS), out / "tools.yaml"], overwrite
-    )
+    check_overwrite(_outputs(out).values(), overwrite)
 
 
 def write_dataset(
@@ -163,11 +168,9 @@ def write_dataset(
 
     from tailcut.data.verl import write_rows
 
-    out = Path(out)
+    files = _outputs(out)
     rows = {split: [make_row(p, split, i) for i, p in enumerate(splits[split])] for split in SPLITS}
     for split in SPLITS:
-        write_rows(rows[split], out / f"{split}.parquet")
-    (out / "tools.yaml").write_text(
-        yaml.safe_dump(dict(tools_yaml), sort_keys=False), encoding="utf-8"
-    )
+        write_rows(rows[split], files[split])
+    files["tools"].write_text(yaml.safe_dump(dict(tools_yaml), sort_keys=False), encoding="utf-8")
     return {split: len(rows[split]) for split in SPLITS}
