@@ -21,8 +21,11 @@ STOP_WITHIN_S = 20.0
 
 
 def _building(models: Path) -> bool:
-    """The build's temporary directory (``.<hash>.*``, renamed into place when done) is there."""
-    return models.is_dir() and any(p.name.startswith(".") for p in models.iterdir())
+    """The build's temporary directory (``.<hash>.*``, renamed into place when done) holds
+    its tokenizer: the build is past its first imports and into minutes of work."""
+    return models.is_dir() and any(
+        p.name.startswith(".") and (p / "tokenizer.json").exists() for p in models.iterdir()
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -43,7 +46,7 @@ def test_a_signal_during_the_model_build_stops_the_run_at_once(
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the model build did not start in 120 s"
             time.sleep(0.1)
-        time.sleep(1.0)  # well inside the build (it takes minutes)
+        time.sleep(3.0)  # past building the model object too: into the training loop
         sent = time.monotonic()
         proc.send_signal(signum)
         try:

@@ -111,9 +111,8 @@ def train(
                 summary = run_until_signal(
                     lambda ready: _run(cfg, console, fault, ranks, ready), stopped
                 )
-            except KeyboardInterrupt:
-                signum = stopped[-1] if stopped else signal.SIGINT
-                raise Interrupted(signum, in_setup=summary is None) from None
+            except (KeyboardInterrupt, _Stop):
+                raise _interrupted(stopped, in_setup=summary is None) from None
         ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
     finally:
         close(ranks)
@@ -156,14 +155,26 @@ def launch_ranks(n: int, args: list[str]) -> int:
     return subprocess.call([*cmd, f"--nproc-per-node={n}", "-m", "tailcut", *args])
 
 
+class _Stop(BaseException):
+    """A signal received during setup, raised where the main thread is (:func:`_raise_on`).
+    Not ``KeyboardInterrupt``: CPython remembers one that passed unhandled through code it
+    ran by ``PyRun_*`` on the way, and then exits by SIGINT whatever code was asked for."""
+
+
+def _interrupted(stopped: list[int], *, in_setup: bool) -> Interrupted:
+    """What a ``KeyboardInterrupt`` or :class:`_Stop` stands for: the last signal recorded
+    (SIGINT if none)."""
+    return Interrupted(stopped[-1] if stopped else signal.SIGINT, in_setup=in_setup)
+
+
 def _raise_on(stopped: list[int]) -> Callable[[int, Any], None]:
-    """A signal handler that records the signal in ``stopped`` and raises
-    ``KeyboardInterrupt`` where the main thread is (blocking work: a model build, a load),
-    so it stops at once and its ``finally`` blocks run."""
+    """A signal handler that records the signal in ``stopped`` and raises :class:`_Stop`
+    where the main thread is (blocking work: a model build, a load), so it stops at once and
+    its ``finally`` blocks run."""
 
     def handler(signum: int, _frame: Any) -> None:
         stopped.append(signum)
-        raise KeyboardInterrupt
+        raise _Stop
 
     return handler
 
@@ -192,7 +203,7 @@ def run_until_signal(
     """``asyncio.run`` at this edge; SIGINT and SIGTERM come out as :class:`Interrupted`.
 
     ``make(ready)`` is the run. Until it calls ``ready()`` (its setup done) either signal
-    raises ``KeyboardInterrupt`` at once (:func:`_raise_on`: setup blocks the event loop, a
+    raises :class:`_Stop` at once (:func:`_raise_on`: setup blocks the event loop, a
     handler on the loop would run only once it ends); after, SIGINT (``asyncio.run``
     cancels the main task) and SIGTERM (cancelled the same way) let the run's ``finally``
     blocks close what it opened. ``stopped`` collects the signals received."""
@@ -235,9 +246,8 @@ def run_until_signal(
 
     try:
         return asyncio.run(main())
-    except KeyboardInterrupt:
-        signum = stopped[-1] if stopped else signal.SIGINT
-        raise Interrupted(signum, in_setup=not switched) from None
+    except (KeyboardInterrupt, _Stop):
+        raise _interrupted(stopped, in_setup=not switched) from None
     except asyncio.CancelledError:
         if stopped:
             raise Interrupted(stopped[0]) from None
