@@ -199,8 +199,12 @@ def _kernels() -> dict[str, Any]:
             if STORE:
                 tile = tile & (cols != end)[:, None]
             k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=tile, other=0.0)
+            # the values are loaded before the keys are used: both reads are in flight at
+            # once rather than the second waiting for the first's product
+            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=tile, other=0.0)
             if STORE:
                 k = tl.where((cols == end)[:, None], nk[None, :].to(k.dtype), k)
+                v = tl.where((cols == end)[:, None], nv[None, :].to(v.dtype), v)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAP > 0:
                 e = tl.exp(2.0 * s / SOFTCAP)  # tanh(x) = 1 - 2 / (e^{2x} + 1)
@@ -210,9 +214,6 @@ def _kernels() -> dict[str, Any]:
             p = tl.exp(s - top[:, None])
             alpha = tl.exp(m - top)
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=tile, other=0.0)
-            if STORE:
-                v = tl.where((cols == end)[:, None], nv[None, :].to(v.dtype), v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = top
             col += BLOCK_N
