@@ -9,20 +9,29 @@ runs one step with :func:`~tailcut.rollout.scheduler.run_step`,
 and prints what happened: completed / aborted / failed, wasted tokens, tokens generated
 after an abort, KV blocks still in use, step and cut times, rewards, and the tail of the
 step as ``tailcut report`` shows it (read back from the step's trace).
+
+SIGINT and SIGTERM stop it with one line and exit 130 / 143 (``app/signals.py``): during
+setup (the model's build or load, the data, the engine) at once; during the step they
+cancel it, so every request in flight is cancelled on the engine, each sample's end is
+traced (aborted) and the engine and tools are closed before it exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from tailcut.app.signals import run_until_signal
 from tailcut.engine.factory import ENGINES as ENGINE_REGISTRY
+from tailcut.errors import TailcutError
 from tailcut.rollout.cutoff import POLICIES
 
 
@@ -78,8 +87,27 @@ def make_toolset(opts: RolloutOptions, rows: list[Any]) -> Any:
     return tools_by_name(sorted({n for r in rows for n in r.tools_kwargs} & set(TOOLS)))
 
 
-async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
-    """Run one step; return the summary (the trace goes to ``trace_dir``)."""
+class RolloutInterrupted(TailcutError):
+    """The rollout was stopped by a signal (exit 128 + its number)."""
+
+    def __init__(self, signum: int, in_setup: bool) -> None:
+        name = signal.Signals(signum).name
+        if in_setup:
+            text = f"interrupted by {name} during setup (model, data, engine), before the step"
+        else:
+            text = (
+                f"interrupted by {name}: the step's requests were cancelled, their ends "
+                "traced, and the engine closed"
+            )
+        super().__init__(text)
+        self.exit_code = 128 + signum
+
+
+async def run_rollout(
+    opts: RolloutOptions, trace_dir: Path, ready: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Run one step; return the summary (the trace goes to ``trace_dir``). ``ready()`` is
+    called once the setup is done (:func:`~tailcut.app.signals.run_until_signal`)."""
     from tailcut.app.wiring import engine_for, model_dir
     from tailcut.config import CutoffConfig
     from tailcut.data.verl import load_prompts
@@ -97,22 +125,25 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
     policy = make_policy(cutoff, opts.requests, opts.group_size)
     reward: RewardFn | None = None  # scripted workload turns are not scored
     toolset: Any = None
+    engine: Any = None
     max_seq_len = None
-    if opts.workload is not None:
-        samples, max_seq_len = workload_samples(opts, path, policy.n_launch)
-        agent: Any = ScriptedRollout(temperature=opts.temperature)
-        no_reward: str | None = f"workload {opts.workload}: scripted turns have no reward"
-    else:
-        assert opts.data is not None
-        prompts = load_prompts(opts.data)
-        reward = RewardFn()
-        samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
-        no_reward = reward.unscorable(r.data_source for r in prompts.rows)
-        toolset = make_toolset(opts, prompts.rows)
-        agent = _agent_loop(opts, path, toolset, None if no_reward else reward)
-    engine = engine_for(_engine_config(opts, path, max_seq_len), path)
-    loop = asyncio.get_running_loop()
-    try:
+    try:  # what is opened is closed, also where a signal stops the setup half-way
+        if opts.workload is not None:
+            samples, max_seq_len = workload_samples(opts, path, policy.n_launch)
+            agent: Any = ScriptedRollout(temperature=opts.temperature)
+            no_reward: str | None = f"workload {opts.workload}: scripted turns have no reward"
+        else:
+            assert opts.data is not None
+            prompts = load_prompts(opts.data)
+            reward = RewardFn()
+            samples = make_samples(prompts.rows, policy.n_launch, opts.group_size, opts.seed)
+            no_reward = reward.unscorable(r.data_source for r in prompts.rows)
+            toolset = make_toolset(opts, prompts.rows)
+            agent = _agent_loop(opts, path, toolset, None if no_reward else reward)
+        engine = engine_for(_engine_config(opts, path, max_seq_len), path)
+        if ready is not None:
+            ready()
+        loop = asyncio.get_running_loop()
         with Tracer.for_step(trace_dir, 0, 0, clock=loop.time) as tracer:
             result = await run_step(
                 engine, samples, agent, policy, tracer, abort_deadline_s=opts.abort_deadline_s
@@ -120,7 +151,8 @@ async def run_rollout(opts: RolloutOptions, trace_dir: Path) -> dict[str, Any]:
         stats = await engine.stats()
         left = await engine.in_flight()
     finally:
-        await engine.aclose()
+        if engine is not None:
+            await engine.aclose()
         if reward is not None:
             await reward.aclose()
         if toolset is not None:
@@ -348,7 +380,10 @@ def rollout(
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tailcut-rollout-") as tmp:
         where = trace_dir or Path(tmp)
-        summary = asyncio.run(run_rollout(opts, where))  # errors: the CLI's boundary (cli.py)
+        # errors: the CLI's boundary (cli.py)
+        summary = run_until_signal(
+            lambda ready: run_rollout(opts, where, ready), RolloutInterrupted
+        )
         _print(summary, where, keep=trace_dir is not None, as_json=as_json)
 
 

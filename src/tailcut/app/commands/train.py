@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from tailcut.app.signals import Stop, last_signal, run_until_signal, stop_at_once
 from tailcut.errors import TailcutError
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from tailcut.train.distributed import Ranks
     from tailcut.train.trainer import FaultHook, TrainSummary
 
-T = TypeVar("T")
 FAULT_ENV = "TAILCUT_FAULT"
 
 
@@ -58,6 +58,10 @@ class Interrupted(TailcutError):
             )
         super().__init__(text)
         self.exit_code = 128 + signum
+
+
+def _interrupted(signum: int, in_setup: bool) -> Interrupted:
+    return Interrupted(signum, in_setup=in_setup)
 
 
 def train(
@@ -100,7 +104,7 @@ def train(
     summary: TrainSummary | None = None
     try:
         # checking the run directory, then the run: SIGTERM stops it as SIGINT does
-        with _stop_at_once(stopped, signal.SIGTERM):
+        with stop_at_once(stopped, signal.SIGTERM):
             try:
                 if ranks.is_main:  # before the model is built or loaded (the trainer checks
                     check_run_dir(cfg)  # again)
@@ -109,10 +113,10 @@ def train(
                     console = Console(quiet=True)
                 fault = fault_from_env()
                 summary = run_until_signal(
-                    lambda ready: _run(cfg, console, fault, ranks, ready), stopped
+                    lambda ready: _run(cfg, console, fault, ranks, ready), _interrupted, stopped
                 )
-            except (KeyboardInterrupt, _Stop):
-                raise _interrupted(stopped, in_setup=summary is None) from None
+            except (KeyboardInterrupt, Stop):
+                raise Interrupted(last_signal(stopped), in_setup=summary is None) from None
         ranks.barrier()  # the ranks tear the group down together (one gone first: gloo aborts)
     finally:
         close(ranks)
@@ -153,105 +157,6 @@ def launch_ranks(n: int, args: list[str]) -> int:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
     return subprocess.call([*cmd, f"--nproc-per-node={n}", "-m", "tailcut", *args])
-
-
-class _Stop(BaseException):
-    """A signal received during setup, raised where the main thread is (:func:`_raise_on`).
-    Not ``KeyboardInterrupt``: CPython remembers one that passed unhandled through code it
-    ran by ``PyRun_*`` on the way, and then exits by SIGINT whatever code was asked for."""
-
-
-def _interrupted(stopped: list[int], *, in_setup: bool) -> Interrupted:
-    """What a ``KeyboardInterrupt`` or :class:`_Stop` stands for: the last signal recorded
-    (SIGINT if none)."""
-    return Interrupted(stopped[-1] if stopped else signal.SIGINT, in_setup=in_setup)
-
-
-def _raise_on(stopped: list[int]) -> Callable[[int, Any], None]:
-    """A signal handler that records the signal in ``stopped`` and raises :class:`_Stop`
-    where the main thread is (blocking work: a model build, a load), so it stops at once and
-    its ``finally`` blocks run."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        stopped.append(signum)
-        raise _Stop
-
-    return handler
-
-
-@contextlib.contextmanager
-def _stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
-    """While inside, each of ``signums`` raises at once (:func:`_raise_on`); the handlers
-    before are put back on the way out. Not in the main thread, or a signal this process
-    ignores (``SIG_IGN``, as a shell's background job ignores SIGINT): nothing changes."""
-    before: dict[int, Any] = {}
-    with contextlib.suppress(ValueError):  # not the main thread
-        for signum in signums:
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                before[signum] = signal.signal(signum, _raise_on(stopped))
-    try:
-        yield before  # the handlers to put back (the caller may take some over)
-    finally:
-        for signum, old in before.items():
-            if old is not None:  # None: a handler not set from Python
-                signal.signal(signum, old)
-
-
-def run_until_signal(
-    make: Callable[[Callable[[], None]], Coroutine[Any, Any, T]], stopped: list[int] | None = None
-) -> T:
-    """``asyncio.run`` at this edge; SIGINT and SIGTERM come out as :class:`Interrupted`.
-
-    ``make(ready)`` is the run. Until it calls ``ready()`` (its setup done) either signal
-    raises :class:`_Stop` at once (:func:`_raise_on`: setup blocks the event loop, a
-    handler on the loop would run only once it ends); after, SIGINT (``asyncio.run``
-    cancels the main task) and SIGTERM (cancelled the same way) let the run's ``finally``
-    blocks close what it opened. ``stopped`` collects the signals received."""
-    import asyncio
-
-    stopped = [] if stopped is None else stopped
-    switched = False
-
-    async def main() -> T:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-
-        def stop() -> None:
-            stopped.append(signal.SIGTERM)
-            task.cancel()
-
-        def ready() -> None:
-            nonlocal switched
-            if switched:
-                return
-            switched = True
-            # Not in the main thread (or no signals there): SIGTERM keeps its handler.
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.add_signal_handler(signal.SIGTERM, stop)
-            if runner_sigint is not None:  # None: a handler not set from Python
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGINT, runner_sigint)
-
-        # asyncio.run's SIGINT handler (it cancels this task) is put back by ready(), or on
-        # the way out, where asyncio.run finds it to restore the default.
-        runner_sigint = signal.getsignal(signal.SIGINT)
-        with _stop_at_once(stopped, signal.SIGINT, signal.SIGTERM) as before:
-            try:
-                return await make(ready)
-            finally:
-                if switched:  # the loop has SIGTERM now, SIGINT is asyncio.run's again
-                    before.clear()
-
-    try:
-        return asyncio.run(main())
-    except (KeyboardInterrupt, _Stop):
-        raise _interrupted(stopped, in_setup=not switched) from None
-    except asyncio.CancelledError:
-        if stopped:
-            raise Interrupted(stopped[0]) from None
-        raise
 
 
 def fault_from_env() -> FaultHook | None:

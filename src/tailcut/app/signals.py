@@ -1,0 +1,147 @@
+"""SIGINT and SIGTERM at a long-running command's edge: one error line, its ``finally``
+blocks run (``tailcut train``, ``tailcut rollout``).
+
+A command's run is a coroutine with a setup (a model build or load, data, an engine:
+blocking work the event loop cannot interrupt) and then its work on the loop. During the
+setup either signal raises :class:`Stop` at once where the main thread is, so the command
+stops within moments, not when the work ends; once the run calls ``ready()`` both cancel
+its main task, so what it opened (engines, workers, trace files) is closed on the way out.
+The command's own error (``interrupted``) carries the exit code, 128 + the signal's number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+from tailcut.errors import TailcutError
+
+T = TypeVar("T")
+Interrupted = Callable[[int, bool], TailcutError]
+"""``(signal number, during setup) -> the command's error`` (exit code 128 + number)."""
+
+
+class Stop(BaseException):
+    """A signal received during setup, raised where the main thread is (:func:`raise_on`).
+    Not ``KeyboardInterrupt``: CPython remembers one that passed unhandled through code it
+    ran by ``PyRun_*`` on the way, and then exits by SIGINT whatever code was asked for."""
+
+
+def raise_on(stopped: list[int]) -> Callable[[int, Any], None]:
+    """A signal handler that records the signal in ``stopped`` and raises :class:`Stop`
+    where the main thread is (blocking work: a model build, a load), so it stops at once and
+    its ``finally`` blocks run. Where the main thread is inside a finalizer (a ``__del__``
+    the garbage collector runs), an exception would be printed and dropped and the work go
+    on: there the raise is put off by a 10 ms ``SIGALRM`` (:func:`stop_at_once` restores
+    that signal's handler), until it lands outside one."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if signum != signal.SIGALRM:
+            stopped.append(signum)
+        if _in_finalizer(frame):
+            signal.signal(signal.SIGALRM, handler)
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
+            return
+        raise Stop
+
+    return handler
+
+
+def _in_finalizer(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
+    """While inside, each of ``signums`` raises at once (:func:`raise_on`); the handlers
+    before are put back on the way out. Not in the main thread, or a signal this process
+    ignores (``SIG_IGN``, as a shell's background job ignores SIGINT): nothing changes."""
+    before: dict[int, Any] = {}
+    alarm: Any = None
+    with contextlib.suppress(ValueError):  # not the main thread
+        for signum in signums:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                before[signum] = signal.signal(signum, raise_on(stopped))
+        if before:
+            alarm = signal.getsignal(signal.SIGALRM)  # taken by a raise put off (raise_on)
+    try:
+        yield before  # the handlers to put back (the caller may take some over)
+    finally:
+        for signum, old in before.items():
+            if old is not None:  # None: a handler not set from Python
+                signal.signal(signum, old)
+        if alarm is not None and signal.getsignal(signal.SIGALRM) is not alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, alarm)
+
+
+def last_signal(stopped: list[int]) -> int:
+    """The signal a ``KeyboardInterrupt`` or :class:`Stop` stands for: the last one
+    recorded (SIGINT if none)."""
+    return stopped[-1] if stopped else signal.SIGINT
+
+
+def run_until_signal(
+    make: Callable[[Callable[[], None]], Coroutine[Any, Any, T]],
+    interrupted: Interrupted,
+    stopped: list[int] | None = None,
+) -> T:
+    """``asyncio.run`` at this edge; SIGINT and SIGTERM come out as ``interrupted(signal,
+    during setup)``.
+
+    ``make(ready)`` is the run. Until it calls ``ready()`` (its setup done) either signal
+    raises :class:`Stop` at once (:func:`raise_on`: setup blocks the event loop, a handler
+    on the loop would run only once it ends); after, SIGINT (``asyncio.run`` cancels the
+    main task) and SIGTERM (cancelled the same way) let the run's ``finally`` blocks close
+    what it opened. ``stopped`` collects the signals received."""
+    import asyncio
+
+    stopped = [] if stopped is None else stopped
+    switched = False
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            stopped.append(signal.SIGTERM)
+            task.cancel()
+
+        def ready() -> None:
+            nonlocal switched
+            if switched:
+                return
+            switched = True
+            # Not in the main thread (or no signals there): SIGTERM keeps its handler.
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.add_signal_handler(signal.SIGTERM, stop)
+            if runner_sigint is not None:  # None: a handler not set from Python
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGINT, runner_sigint)
+
+        # asyncio.run's SIGINT handler (it cancels this task) is put back by ready(), or on
+        # the way out, where asyncio.run finds it to restore the default.
+        runner_sigint = signal.getsignal(signal.SIGINT)
+        with stop_at_once(stopped, signal.SIGINT, signal.SIGTERM) as before:
+            try:
+                return await make(ready)
+            finally:
+                if switched:  # the loop has SIGTERM now, SIGINT is asyncio.run's again
+                    before.clear()
+
+    try:
+        return asyncio.run(main())
+    except (KeyboardInterrupt, Stop):
+        raise interrupted(last_signal(stopped), not switched) from None
+    except asyncio.CancelledError:
+        if stopped:
+            raise interrupted(stopped[0], not switched) from None
+        raise
