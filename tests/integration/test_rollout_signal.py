@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from fakes.stop_run import signal_when
 from fakes.tiny_model import TINY
 from tailcut.models import build
 from tailcut.trace.events import TERMINAL_EVENTS, EventKind, read_trace
@@ -46,26 +46,10 @@ def test_a_signal_during_the_step_cancels_traces_and_closes(
          "--trace-dir", str(trace)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    path = trace / "step_0" / "worker_0.jsonl"
-    try:
-        deadline = time.monotonic() + 120
-        while not path.exists():  # opened once the setup is done
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the step did not start in 120 s"
-            time.sleep(0.05)
-        time.sleep(1.0)  # into the step
-        assert proc.poll() is None, "the step ended before the signal"
-        sent = time.monotonic()
-        proc.send_signal(signum)
-        try:
-            out, err = proc.communicate(timeout=STOP_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{signum.name} did not stop the rollout within {STOP_WITHIN_S:g} s")
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    path = trace / "step_0" / "worker_0.jsonl"  # opened once the setup is done
+    out, err, took = signal_when(
+        proc, path.exists, signum, settle_s=1.0, within_s=STOP_WITHIN_S
+    )  # 1 s: into the step
     assert proc.returncode == 128 + signum, (proc.returncode, err[-3000:])
     assert "Traceback" not in err + out, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes.stop_run import signal_when
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 20.0
@@ -40,24 +42,10 @@ def test_a_signal_during_the_model_build_stops_the_run_at_once(
          f"trainer.run_dir={run}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not _building(cache / "models"):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the model build did not start in 120 s"
-            time.sleep(0.1)
-        time.sleep(3.0)  # past building the model object too: into the training loop
-        sent = time.monotonic()
-        proc.send_signal(signum)
-        try:
-            out, err = proc.communicate(timeout=STOP_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{signum.name} did not stop the run within {STOP_WITHIN_S:g} s")
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    # 3 s past the build's start: past building the model object too, into its training
+    out, err, took = signal_when(
+        proc, lambda: _building(cache / "models"), signum, settle_s=3.0, within_s=STOP_WITHIN_S
+    )
     assert proc.returncode == 128 + signum, (proc.returncode, err[-3000:])
     assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]

@@ -1,5 +1,5 @@
 """``app/signals.py``: a signal during a command's setup raises where the main thread is,
-also when it arrives inside a finalizer (where a raised exception is printed and dropped);
+also when it arrives inside a finalizer or weakref callback (where CPython drops errors);
 after ``ready()`` it cancels the run, whose ``finally`` blocks run; handlers come back."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import asyncio
 import gc
 import os
 import signal
+import sys
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -23,15 +25,35 @@ class _Interrupted(TailcutError):
         self.exit_code = 128 + signum
 
 
-class _SignalsInDel:
-    """Sends SIGTERM to this process from its ``__del__`` and keeps running Python code
-    there, so the handler runs inside the finalizer."""
+def _signal_and_keep_running() -> None:
+    """Sends SIGTERM to this process and runs Python code, so the handler runs here."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    total = 0
+    for i in range(20000):
+        total += i
 
+
+class _SignalsInDel:
     def __del__(self) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-        total = 0
-        for i in range(20000):
-            total += i
+        _signal_and_keep_running()
+
+
+class _Referent:
+    pass
+
+
+def _drop_in_del() -> None:
+    obj = _SignalsInDel()
+    del obj
+    gc.collect()
+
+
+def _drop_in_weakref_callback() -> None:
+    obj = _Referent()
+    ref = weakref.ref(obj, lambda _ref: _signal_and_keep_running())
+    del obj
+    gc.collect()
+    assert ref() is None
 
 
 def _wait_for_stop(seconds: float) -> None:
@@ -40,18 +62,35 @@ def _wait_for_stop(seconds: float) -> None:
         time.sleep(0.001)
 
 
-def test_a_signal_landing_in_a_finalizer_still_stops_the_setup() -> None:
+@pytest.mark.parametrize("drop", [_drop_in_del, _drop_in_weakref_callback])
+def test_a_signal_landing_where_cpython_drops_errors_still_stops_the_setup(
+    drop: Callable[[], None],
+) -> None:
     stopped: list[int] = []
-    alarm, term = signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGTERM)
+    term, hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
     with stop_at_once(stopped, signal.SIGTERM), pytest.raises(Stop):
-        obj = _SignalsInDel()
-        del obj  # the handler runs in __del__: the raise is put off, not dropped
-        gc.collect()
+        drop()  # the handler raises inside the finalizer: dropped there, raised again after
         _wait_for_stop(5.0)
     assert stopped == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is term
-    assert signal.getsignal(signal.SIGALRM) is alarm
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert sys.unraisablehook is hook
+
+
+def test_other_errors_dropped_inside_go_to_the_hook_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(args.exc_value))
+
+    class _Fails:
+        def __del__(self) -> None:
+            raise ValueError("in __del__")
+
+    with stop_at_once([], signal.SIGTERM):
+        obj = _Fails()
+        del obj
+        gc.collect()
+    assert [type(e) for e in seen] == [ValueError]
 
 
 def test_the_handlers_before_are_put_back() -> None:
@@ -91,9 +130,16 @@ def _run(stage: str, closed: list[str]) -> Callable[[Callable[[], None]], object
 @pytest.mark.parametrize("stage", ["setup", "run"])
 def test_sigterm_becomes_the_commands_error_after_its_finally_blocks(stage: str) -> None:
     closed: list[str] = []
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(_Interrupted, match=f"SIGTERM setup={stage == 'setup'}") as err:
-        run_until_signal(_run(stage, closed), _Interrupted)  # type: ignore[arg-type]
-    assert err.value.exit_code == 143
-    assert closed == [stage]
-    assert signal.getsignal(signal.SIGTERM) is before
+
+    def libraries(_signum: int, _frame: object) -> None:  # as a library installs one
+        raise AssertionError("the run's own handlers were not in place")
+
+    before = signal.signal(signal.SIGTERM, libraries)
+    try:
+        with pytest.raises(_Interrupted, match=f"SIGTERM setup={stage == 'setup'}") as err:
+            run_until_signal(_run(stage, closed), _Interrupted)  # type: ignore[arg-type]
+        assert err.value.exit_code == 143
+        assert closed == [stage]
+        assert signal.getsignal(signal.SIGTERM) is libraries
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -11,8 +11,11 @@ The command's own error (``interrupted``) carries the exit code, 128 + the signa
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
+import sys
+import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -24,61 +27,69 @@ Interrupted = Callable[[int, bool], TailcutError]
 
 
 class Stop(BaseException):
-    """A signal received during setup, raised where the main thread is (:func:`raise_on`).
+    """A signal received during setup, raised where the main thread is (:func:`stop_at_once`).
     Not ``KeyboardInterrupt``: CPython remembers one that passed unhandled through code it
     ran by ``PyRun_*`` on the way, and then exits by SIGINT whatever code was asked for."""
 
 
-def raise_on(stopped: list[int]) -> Callable[[int, Any], None]:
-    """A signal handler that records the signal in ``stopped`` and raises :class:`Stop`
-    where the main thread is (blocking work: a model build, a load), so it stops at once and
-    its ``finally`` blocks run. Where the main thread is inside a finalizer (a ``__del__``
-    the garbage collector runs), an exception would be printed and dropped and the work go
-    on: there the raise is put off by a 10 ms ``SIGALRM`` (:func:`stop_at_once` restores
-    that signal's handler), until it lands outside one."""
+class _StopOnSignal:
+    """The handler :func:`stop_at_once` installs: records the signal and raises :class:`Stop`
+    where the main thread is (blocking work: a model build, a load), so the work stops at
+    once and its ``finally`` blocks run.
 
-    def handler(signum: int, frame: Any) -> None:
-        if signum != signal.SIGALRM:
-            stopped.append(signum)
-        if _in_finalizer(frame):
-            signal.signal(signal.SIGALRM, handler)
-            signal.setitimer(signal.ITIMER_REAL, 0.01)
-            return
+    Where the main thread is inside code whose errors CPython prints and drops (a ``__del__``
+    or a weakref callback the garbage collector runs) the work would go on: ``dropped`` (the
+    ``sys.unraisablehook`` while inside) sees the drop and delivers the signal again 10 ms
+    later from a timer thread (``_thread.interrupt_main``: the handler of that moment runs
+    in the main thread), until the raise lands outside such code. No ``SIGALRM``: a test
+    runner's or a library's alarm is left alone."""
+
+    def __init__(self, stopped: list[int], hook_before: Callable[[Any], object]) -> None:
+        self.stopped = stopped
+        self.hook_before = hook_before
+        self.redelivered: set[int] = set()
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if signum in self.redelivered:
+            self.redelivered.discard(signum)  # recorded when it first came
+        else:
+            self.stopped.append(signum)
         raise Stop
 
-    return handler
-
-
-def _in_finalizer(frame: Any) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
+    def dropped(self, args: Any) -> None:
+        if not isinstance(args.exc_value, Stop) or not self.stopped:
+            self.hook_before(args)
+            return
+        signum = self.stopped[-1]
+        self.redelivered.add(signum)
+        timer = threading.Timer(0.01, _thread.interrupt_main, (signum,))
+        timer.daemon = True
+        timer.start()
 
 
 @contextlib.contextmanager
 def stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
-    """While inside, each of ``signums`` raises at once (:func:`raise_on`); the handlers
-    before are put back on the way out. Not in the main thread, or a signal this process
-    ignores (``SIG_IGN``, as a shell's background job ignores SIGINT): nothing changes."""
+    """While inside, each of ``signums`` raises :class:`Stop` at once where the main thread
+    is, also when it lands in a finalizer (:class:`_StopOnSignal`); ``stopped`` collects
+    them. The handlers and the unraisable hook before are put back on the way out. Not in
+    the main thread, or a signal this process ignores (``SIG_IGN``, as a shell's background
+    job ignores SIGINT): nothing changes."""
     before: dict[int, Any] = {}
-    alarm: Any = None
+    hook_before = sys.unraisablehook
+    handler = _StopOnSignal(stopped, hook_before)
     with contextlib.suppress(ValueError):  # not the main thread
         for signum in signums:
             if signal.getsignal(signum) is not signal.SIG_IGN:
-                before[signum] = signal.signal(signum, raise_on(stopped))
-        if before:
-            alarm = signal.getsignal(signal.SIGALRM)  # taken by a raise put off (raise_on)
+                before[signum] = signal.signal(signum, handler)
+    if before:
+        sys.unraisablehook = handler.dropped
     try:
         yield before  # the handlers to put back (the caller may take some over)
     finally:
+        sys.unraisablehook = hook_before
         for signum, old in before.items():
             if old is not None:  # None: a handler not set from Python
                 signal.signal(signum, old)
-        if alarm is not None and signal.getsignal(signal.SIGALRM) is not alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, alarm)
 
 
 def last_signal(stopped: list[int]) -> int:
@@ -96,7 +107,7 @@ def run_until_signal(
     during setup)``.
 
     ``make(ready)`` is the run. Until it calls ``ready()`` (its setup done) either signal
-    raises :class:`Stop` at once (:func:`raise_on`: setup blocks the event loop, a handler
+    raises :class:`Stop` at once (:func:`stop_at_once`: setup blocks the event loop, a handler
     on the loop would run only once it ends); after, SIGINT (``asyncio.run`` cancels the
     main task) and SIGTERM (cancelled the same way) let the run's ``finally`` blocks close
     what it opened. ``stopped`` collects the signals received."""
@@ -137,6 +148,7 @@ def run_until_signal(
                 if switched:  # the loop has SIGTERM now, SIGINT is asyncio.run's again
                     before.clear()
 
+    term_before = signal.getsignal(signal.SIGTERM)
     try:
         return asyncio.run(main())
     except (KeyboardInterrupt, Stop):
@@ -145,3 +157,8 @@ def run_until_signal(
         if stopped:
             raise interrupted(stopped[0], not switched) from None
         raise
+    finally:
+        # Closing the loop set SIGTERM to SIG_DFL (not what was there before ready()).
+        if switched and term_before is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, term_before)
