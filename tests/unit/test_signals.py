@@ -143,3 +143,28 @@ def test_sigterm_becomes_the_commands_error_after_its_finally_blocks(stage: str)
         assert signal.getsignal(signal.SIGTERM) is libraries
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_an_error_the_stop_leaves_behind_comes_out_as_the_signal() -> None:
+    """The raise lands in code not written to be left halfway (a module being imported);
+    what that code raises on the way out is the signal's consequence, not a crash."""
+
+    async def make(_ready: Callable[[], None]) -> str:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for_stop(5.0)
+            return "not stopped"
+        finally:
+            raise RuntimeError("module 'half' is partially initialized")
+
+    with pytest.raises(_Interrupted, match="SIGTERM setup=True") as err:
+        run_until_signal(make, _Interrupted)
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_an_error_without_a_signal_is_left_as_it_is() -> None:
+    async def make(_ready: Callable[[], None]) -> str:
+        raise RuntimeError("a real failure")
+
+    with pytest.raises(RuntimeError, match="a real failure"):
+        run_until_signal(make, _Interrupted)

@@ -110,7 +110,9 @@ def run_until_signal(
     raises :class:`Stop` at once (:func:`stop_at_once`: setup blocks the event loop, a handler
     on the loop would run only once it ends); after, SIGINT (``asyncio.run`` cancels the
     main task) and SIGTERM (cancelled the same way) let the run's ``finally`` blocks close
-    what it opened. ``stopped`` collects the signals received."""
+    what it opened. ``stopped`` collects the signals received. An error raised after a
+    signal (by code the raise left halfway) comes out as the signal's ``interrupted`` too,
+    with the error as its cause."""
     import asyncio
 
     stopped = [] if stopped is None else stopped
@@ -156,6 +158,12 @@ def run_until_signal(
     except asyncio.CancelledError:
         if stopped:
             raise interrupted(stopped[0], not switched) from None
+        raise
+    except Exception as exc:
+        # An error on the way out after a signal is its consequence: the raise lands
+        # anywhere, also in code not written to be left halfway (a module being imported).
+        if stopped:
+            raise interrupted(last_signal(stopped), not switched) from exc
         raise
     finally:
         # Closing the loop set SIGTERM to SIG_DFL (not what was there before ready()).
