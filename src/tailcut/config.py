@@ -139,6 +139,12 @@ class HFEngineConfig(_Model):
     H100, with the decode kernel's wider tiles, the LM head writing into the graph's
     buffer and the rotary/final norm compiled: 1.332 -> 1.198 ms a decode pass); true
     where Triton cannot run is an error."""
+    skinny_linear: bool | None = None
+    """Decode passes of at most 64 rows run the attention's q/k/v (fused) and output
+    projections with one Triton kernel each that spreads the weight's rows over many
+    programs (``hf/skinny_linear.py``) instead of cuBLAS's wide tiles on a few SMs; needs
+    ``fuse_projections``' groups (it installs them). None: off (not yet timed on a GPU:
+    ``python -m tailcut.bench.linear_bench``); true where Triton cannot run is an error."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -3,7 +3,7 @@
 A float32 tiny Qwen2 checks exactness against ``model.generate`` and a full forward pass,
 with the decode pass replayed from CUDA graphs and without; the ~0.5B random-init Qwen2 in
 bf16 checks log-probs, aborts, slots and memory at a realistic size (graphs on); the
-sampling kernel draws over the real vocabulary's rows.
+sampling kernel draws over the real vocabulary's rows; the skinny projection kernel in bf16.
 """
 
 from __future__ import annotations
@@ -70,12 +70,15 @@ def test_tiny_fp32_on_cuda_matches_generate_and_full_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "kernel", "sampler"),
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
-    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler"],
+    ("overlap", "kernel", "sampler", "skinny"),
+    [
+        (False, False, False, False), (True, False, False, False), (True, True, False, False),
+        (True, True, True, False), (True, True, True, True),
+    ],
+    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler", "all+skinny"],
 )  # fmt: skip
 def test_cuda_graph_decode_matches_eager_decode_and_generate(
-    overlap: bool, kernel: bool, sampler: bool
+    overlap: bool, kernel: bool, sampler: bool, skinny: bool
 ) -> None:
     """Ragged, staggered greedy requests with several rows aborted at once: the graph
     replays (padded buckets) give exactly the eager tokens, and ``generate``'s — also with
@@ -86,7 +89,7 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(
     async def main(graphs: bool) -> tuple[list[GenerateResult], int, int]:
         cfg = HFEngineConfig(
             max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel,
-            sample_kernel=sampler,
+            sample_kernel=sampler, skinny_linear=skinny,
         )  # fmt: skip
         engine = HFEngine(model, cfg, max_batch_size=12, eos_ids=())
         try:
@@ -121,6 +124,21 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(
                     do_sample=False, pad_token_id=0, eos_token_id=None,
                 )  # fmt: skip
             assert r.output_ids == ref[0, len(p) :].tolist()
+
+
+@pytest.mark.parametrize(("rows", "out", "inp"), [(64, 1152, 896), (64, 896, 896), (7, 2048, 1536)])
+def test_the_skinny_kernel_is_a_bf16_linear_layer(rows: int, out: int, inp: int) -> None:
+    """bf16 (what the CPU interpreter cannot multiply): against float64 from the same
+    inputs, within the rounding of one bf16 output and a float32 sum."""
+    from tailcut.engine.hf.skinny_linear import run
+
+    gen = torch.Generator(device="cuda").manual_seed(out)
+    x = torch.randn(rows, inp, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(out, inp, device="cuda", generator=gen) * 0.05).bfloat16()
+    b = torch.randn(out, device="cuda", generator=gen).bfloat16()
+    want = x.double() @ w.double().T + b.double()
+    got = run(x, w, b).double()
+    torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
 def test_the_sampling_kernel_draws_the_inverse_cdf_over_the_real_vocabulary() -> None:

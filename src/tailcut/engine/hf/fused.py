@@ -29,8 +29,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tailcut.engine.hf import skinny_linear
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Attribute names of the ``Linear`` layers of one module that read one input."""
+
+SKINNY_SINGLES = (("o_proj",),)
+"""Layers that are a group of their own where the skinny kernel runs the groups' GEMMs
+(``hf/skinny_linear.py``): the attention's output projection."""
 
 
 def _fusable(linears: list[Any]) -> bool:
@@ -58,8 +64,9 @@ class _Group:
     """One fused group: its weight (and bias) tensor, the members' row ranges, and the
     output of the group's latest GEMM until every member has taken its columns."""
 
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], *, skinny: bool = False) -> None:
         self.linears = linears
+        self.gemm = skinny_linear.linear if skinny else F.linear
         self.bounds: list[tuple[int, int]] = []
         lo = 0
         for lin in linears:
@@ -82,7 +89,7 @@ class _Group:
         """Member ``index``'s output for ``x``: its columns of the group's GEMM over ``x``
         (computed by the first member called on ``x``, dropped after the last)."""
         if self.left == 0 or self.input is not x:
-            self.output = F.linear(x, self.weight, self.bias)
+            self.output = self.gemm(x, self.weight, self.bias)
             self.input = x
             self.left = len(self.linears)
         out = self.output
@@ -109,19 +116,21 @@ class _Group:
 
 
 class FusedProjections:
-    """Fuses every :data:`GROUPS` group of ``model`` that :func:`_fusable` allows; the
+    """Fuses every :data:`GROUPS` group of ``model`` that :func:`_fusable` allows (with
+    ``skinny``, also :data:`SKINNY_SINGLES`, and each group's GEMM is
+    :func:`~tailcut.engine.hf.skinny_linear.linear`); the
     fused GEMMs run within :meth:`active` blocks on the thread that opened them (compiled
     decoder layers too: they run only there). :meth:`close` undoes it."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, skinny: bool = False) -> None:
         self._local = threading.local()
         self.groups: list[_Group] = []
         try:
             for module in model.modules():
-                for names in GROUPS:
+                for names in GROUPS + (SKINNY_SINGLES if skinny else ()):
                     linears: list[Any] = [getattr(module, n, None) for n in names]
                     if all(x is not None for x in linears) and _fusable(linears):
-                        self._install(_Group(linears))
+                        self._install(_Group(linears, skinny=skinny))
         except BaseException:  # out of memory half-way: leave the model as it came
             self.close()
             raise

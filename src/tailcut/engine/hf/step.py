@@ -73,6 +73,7 @@ class PassRunner:
         fuse_projections: bool = False,
         decode_kernel: bool = False,
         sample_kernel: bool = False,
+        skinny_linear: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -103,7 +104,11 @@ class PassRunner:
         self._fused: FusedProjections | None = None
         self._compiled: CompiledLayers | None = None
         try:
-            self._fused = FusedProjections(model) if fuse_projections else None
+            self._fused = (
+                FusedProjections(model, skinny=skinny_linear)
+                if fuse_projections or skinny_linear
+                else None
+            )
             self._compiled = CompiledLayers(model) if compile_layers else None
         except BaseException as exc:
             if self._fused is not None:

@@ -72,6 +72,7 @@ class SlotWorker:
             fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
             decode_kernel=kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
             sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=True),
+            skinny_linear=kernel_for("skinny_linear", cfg.skinny_linear, shape.device, default=False),
         )  # fmt: skip
         self._overlap = graphs if cfg.overlap is None else cfg.overlap
         self._pending: tuple[Sampled, int] | None = None
