@@ -3,7 +3,8 @@
 # batch 64/256/1024 on random-init Qwen2-0.5B and -1.5B (151,936-row head, the built-in
 # tokenizer on its first rows), tokens/s beside the weight-read bound, decode and prefill
 # ms/pass, peak memory, release/resume of the KV cache and weights; the full-vocabulary
-# sampling cost; eager decode against CUDA graphs; the engine against model.generate;
+# sampling cost; eager decode against CUDA graphs; the attention projections by cuBLAS and
+# by the skinny kernel (engine.hf.skinny_linear); the engine against model.generate;
 # the opt-in GPU tests. Every step is time-boxed and logged; a failed step does not stop
 # the others. JSON lands in $OUT/, a compact summary on stdout and in $OUT/summary.txt.
 #
@@ -112,6 +113,12 @@ if [ "${RUN_EXTRAS:-1}" = 1 ] && [ -n "${first:-}" ]; then
     sweep "eager_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-graphs --no-release --profile
     # where a replayed decode pass's time goes: device busy time beside the wall time
     sweep "profile_$tag" 90 "$first" --batch "${BATCHES%% *}" --no-release --profile
+    # the attention projections: cuBLAS against engine.hf.skinny_linear's kernel, alone
+    # and in the pass (the same sweep as sweep_* at the smallest batch, the kernel on)
+    if [ "$DEVICE" = cuda ] && [ -f "$(resolve "$first")/config.json" ]; then
+        step "linear_bench_$tag" 60 "$PY" -m tailcut.bench.linear_bench "$(resolve "$first")"
+        sweep "skinny_$tag" 120 "$first" --batch "${BATCHES%% *}" --no-release --skinny-linear
+    fi
     # the engine against batched model.generate (same prompts and lengths), aborts
     step "vs_generate_$tag" 120 "$PY" -m tailcut bench --engine hf --model "$first" \
         --device "$DEVICE" --requests 128 --concurrency 64 --max-new-tokens "$NEW_TOKENS" --json
