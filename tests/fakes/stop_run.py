@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 
 import pytest
+
+
+def default_sigint() -> None:
+    """A ``preexec_fn``: the command gets SIGINT's default disposition even where the suite
+    itself was started with it ignored (a background job of a non-interactive shell): else
+    a SIGINT the test sends is ignored and the command runs to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def signal_when(

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from rich.console import Console
 from train_fixtures import read_jsonl, tiny_config, tiny_setup
 
 from fakes.mounts import read_only, small_disk
+from fakes.stop_run import default_sigint
 from fakes.tiny_model import TINY
 from tailcut.models import build
 from tailcut.train import checkpoint as ckpt
@@ -147,15 +147,8 @@ def _cli(run: Path, model: Path, *extra: str, fault: str | None = None):
     return subprocess.run(
         [sys.executable, "-m", "tailcut", "train", *args, *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        preexec_fn=_default_sigint,
+        preexec_fn=default_sigint,
     )  # fmt: skip
-
-
-def _default_sigint() -> None:
-    """The run gets SIGINT's default disposition even where the suite itself was started
-    with it ignored (a background job of a non-interactive shell): else the INT fault
-    is ignored and the run ends as if never interrupted."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:

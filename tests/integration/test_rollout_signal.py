@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from fakes.stop_run import signal_when
+from fakes.stop_run import default_sigint, signal_when
 from fakes.tiny_model import TINY
 from tailcut.models import build
 from tailcut.trace.events import TERMINAL_EVENTS, EventKind, read_trace
@@ -45,6 +45,7 @@ def test_a_signal_during_the_step_cancels_traces_and_closes(
          "--workload", "seed-gsm8k", "--requests", "64", "--policy", "wait-all",
          "--trace-dir", str(trace)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     path = trace / "step_0" / "worker_0.jsonl"  # opened once the setup is done
     out, err, took = signal_when(

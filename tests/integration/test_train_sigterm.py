@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes.stop_run import signal_when
+from fakes.stop_run import default_sigint, signal_when
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,7 @@ def test_a_signal_during_the_model_build_stops_the_run_at_once(
         [sys.executable, "-m", "tailcut", "train", "configs/arith-tiny.yaml",
          f"trainer.run_dir={run}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     # 3 s past the build's start: past building the model object too, into its training
     out, err, took = signal_when(

@@ -9,6 +9,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -168,3 +169,100 @@ def test_an_error_without_a_signal_is_left_as_it_is() -> None:
 
     with pytest.raises(RuntimeError, match="a real failure"):
         run_until_signal(make, _Interrupted)
+
+
+class _SigintInDel:
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        total = 0
+        for i in range(20000):
+            total += i
+
+
+def test_a_signal_still_to_be_sent_again_is_cancelled_on_the_way_out() -> None:
+    """A SIGINT dropped in a finalizer, then a SIGTERM that ends the command: the SIGINT's
+    second sending is cancelled, not delivered 10 ms later to the handler put back (a
+    ``KeyboardInterrupt`` after the command's error)."""
+
+    async def make(_ready: Callable[[], None]) -> str:
+        obj = _SigintInDel()
+        del obj  # its __del__ runs here: the SIGINT is dropped there, to be sent in 10 ms
+        os.kill(os.getpid(), signal.SIGTERM)  # before that, the command's stop
+        _wait_for_stop(5.0)
+        return "not stopped"
+
+    with pytest.raises(_Interrupted, match="SIGTERM setup=True"):
+        run_until_signal(make, _Interrupted)
+    _wait_for_stop(0.2)  # a KeyboardInterrupt here fails the test
+
+
+def test_a_signal_sent_again_wakes_a_blocking_wait() -> None:
+    """The second sending is a real signal to the main thread: a wait in C (a lock, an
+    event, a subprocess) is interrupted as by the first, not left to run out."""
+    start = time.monotonic()
+    with stop_at_once([], signal.SIGTERM), pytest.raises(Stop):
+        obj = _SignalsInDel()
+        del obj  # dropped in its __del__, sent again in 10 ms: the wait has begun by then
+        threading.Event().wait(30.0)
+    assert time.monotonic() - start < 10.0
+
+
+def test_a_signal_during_the_hand_over_leaves_the_handlers_restorable() -> None:
+    """SIGTERM while ``ready()`` hands SIGTERM to the loop: still a setup stop, and both
+    signals' handlers are those from before afterwards."""
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+    async def make(ready: Callable[[], None]) -> str:
+        loop = asyncio.get_running_loop()
+        real = loop.add_signal_handler
+
+        def add(signum: int, callback: Callable[[], None]) -> None:
+            _signal_and_keep_running()
+            real(signum, callback)
+
+        loop.add_signal_handler = add  # type: ignore[method-assign,assignment]
+        ready()
+        await asyncio.sleep(5.0)
+        return "not stopped"
+
+    with pytest.raises(_Interrupted, match="SIGTERM setup=True"):
+        run_until_signal(make, _Interrupted)
+    assert signal.getsignal(signal.SIGINT) is sigint
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+
+
+def test_sigint_after_ready_is_recorded_so_an_error_on_the_way_out_is_the_signal() -> None:
+    async def make(ready: Callable[[], None]) -> str:
+        ready()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(5.0)
+            return "not stopped"
+        finally:
+            raise RuntimeError("closing what the run opened failed")
+
+    sigint = signal.getsignal(signal.SIGINT)
+    with pytest.raises(_Interrupted, match="SIGINT setup=False"):
+        run_until_signal(make, _Interrupted)
+    assert signal.getsignal(signal.SIGINT) is sigint
+
+
+def test_another_threads_stop_at_once_leaves_the_main_threads_hook() -> None:
+    entered, main_in, left = threading.Event(), threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with stop_at_once([], signal.SIGTERM) as before:
+            assert before == {}  # not the main thread: nothing taken
+            entered.set()
+            main_in.wait(10)
+        left.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    entered.wait(10)
+    with stop_at_once([], signal.SIGTERM):
+        mine = sys.unraisablehook
+        main_in.set()
+        left.wait(10)
+        assert sys.unraisablehook is mine
+    thread.join(10)

@@ -11,7 +11,6 @@ The command's own error (``interrupted``) carries the exit code, 128 + the signa
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import signal
 import sys
@@ -39,19 +38,29 @@ class _StopOnSignal:
 
     Where the main thread is inside code whose errors CPython prints and drops (a ``__del__``
     or a weakref callback the garbage collector runs) the work would go on: ``dropped`` (the
-    ``sys.unraisablehook`` while inside) sees the drop and delivers the signal again 10 ms
-    later from a timer thread (``_thread.interrupt_main``: the handler of that moment runs
-    in the main thread), until the raise lands outside such code. No ``SIGALRM``: a test
-    runner's or a library's alarm is left alone."""
+    ``sys.unraisablehook`` while inside) sees the drop and sends the signal to the main
+    thread again 10 ms later from a timer thread (``pthread_kill``: a blocking wait there is
+    woken as by the first), until the raise lands outside such code. No ``SIGALRM``: a test
+    runner's or a library's alarm is left alone. :meth:`close` (on the way out) cancels what
+    is still to be sent; a signal that comes while the handlers are being put back is
+    recorded, not raised, and sent again once they are (:meth:`resend_late`)."""
 
     def __init__(self, stopped: list[int], hook_before: Callable[[Any], object]) -> None:
         self.stopped = stopped
         self.hook_before = hook_before
-        self.redelivered: set[int] = set()
+        self._lock = threading.Lock()
+        self._active = True
+        self._timers: list[threading.Timer] = []
+        self._resent: set[int] = set()
+        self._late: list[int] = []
 
     def __call__(self, signum: int, _frame: Any) -> None:
-        if signum in self.redelivered:
-            self.redelivered.discard(signum)  # recorded when it first came
+        if not self._active:  # the way out: the handlers before are being put back
+            if signum not in self._resent:
+                self._late.append(signum)
+            return
+        if signum in self._resent:
+            self._resent.discard(signum)  # recorded when it first came
         else:
             self.stopped.append(signum)
         raise Stop
@@ -61,17 +70,38 @@ class _StopOnSignal:
             self.hook_before(args)
             return
         signum = self.stopped[-1]
-        self.redelivered.add(signum)
-        timer = threading.Timer(0.01, _thread.interrupt_main, (signum,))
+        self._resent.add(signum)
+        timer = threading.Timer(0.01, self._resend, (signum,))
         timer.daemon = True
+        self._timers.append(timer)
         timer.start()
+
+    def _resend(self, signum: int) -> None:
+        with self._lock:
+            if self._active:
+                signal.pthread_kill(threading.main_thread().ident or 0, signum)
+
+    def close(self) -> None:
+        """No more sending again; signals from now on are recorded for :meth:`resend_late`."""
+        with self._lock:
+            self._active = False
+        for timer in self._timers:
+            timer.cancel()
+
+    def resend_late(self) -> None:
+        """Send again the signals that came while the handlers before were put back, now to
+        those handlers."""
+        late, self._late = self._late, []
+        for signum in late:
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
 def stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
     """While inside, each of ``signums`` raises :class:`Stop` at once where the main thread
     is, also when it lands in a finalizer (:class:`_StopOnSignal`); ``stopped`` collects
-    them. The handlers and the unraisable hook before are put back on the way out. Not in
+    them. The handlers and the unraisable hook before are put back on the way out (the
+    caller may take a signal over inside: it removes it from the dict yielded). Not in
     the main thread, or a signal this process ignores (``SIG_IGN``, as a shell's background
     job ignores SIGINT): nothing changes."""
     before: dict[int, Any] = {}
@@ -84,12 +114,15 @@ def stop_at_once(stopped: list[int], *signums: int) -> Iterator[dict[int, Any]]:
     if before:
         sys.unraisablehook = handler.dropped
     try:
-        yield before  # the handlers to put back (the caller may take some over)
+        yield before
     finally:
-        sys.unraisablehook = hook_before
+        handler.close()
+        if sys.unraisablehook == handler.dropped:
+            sys.unraisablehook = hook_before
         for signum, old in before.items():
             if old is not None:  # None: a handler not set from Python
                 signal.signal(signum, old)
+        handler.resend_late()
 
 
 def last_signal(stopped: list[int]) -> int:
@@ -127,28 +160,40 @@ def run_until_signal(
             stopped.append(signal.SIGTERM)
             task.cancel()
 
+        def on_sigint(signum: int, frame: Any) -> None:
+            stopped.append(signal.SIGINT)
+            if callable(runner_sigint):
+                runner_sigint(signum, frame)
+
         def ready() -> None:
             nonlocal switched
             if switched:
                 return
-            switched = True
-            # Not in the main thread (or no signals there): SIGTERM keeps its handler.
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            if stopped:  # one came during setup and was dropped (raised again soon): now
+                raise Stop
+            # Each signal leaves ``before`` (stop_at_once's to put back) once it is handed
+            # over: one that comes half-way finds the other still to be put back.
+            if signal.SIGTERM in before:
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     loop.add_signal_handler(signal.SIGTERM, stop)
-            if runner_sigint is not None:  # None: a handler not set from Python
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGINT, runner_sigint)
+                    del before[signal.SIGTERM]
+            if signal.SIGINT in before and runner_sigint is not None:  # None: not from Python
+                signal.signal(
+                    signal.SIGINT, on_sigint if callable(runner_sigint) else runner_sigint
+                )
+                del before[signal.SIGINT]
+            switched = True
 
-        # asyncio.run's SIGINT handler (it cancels this task) is put back by ready(), or on
-        # the way out, where asyncio.run finds it to restore the default.
+        # asyncio.run's SIGINT handler (it cancels this task) is handed back by ready(),
+        # recording the signal, and is in place on the way out, where asyncio.run finds it
+        # to restore the default.
         runner_sigint = signal.getsignal(signal.SIGINT)
-        with stop_at_once(stopped, signal.SIGINT, signal.SIGTERM) as before:
-            try:
+        try:
+            with stop_at_once(stopped, signal.SIGINT, signal.SIGTERM) as before:
                 return await make(ready)
-            finally:
-                if switched:  # the loop has SIGTERM now, SIGINT is asyncio.run's again
-                    before.clear()
+        finally:
+            if signal.getsignal(signal.SIGINT) is on_sigint:
+                signal.signal(signal.SIGINT, runner_sigint)
 
     term_before = signal.getsignal(signal.SIGTERM)
     try:

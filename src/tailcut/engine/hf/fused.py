@@ -34,9 +34,10 @@ from tailcut.engine.hf import skinny_linear
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Attribute names of the ``Linear`` layers of one module that read one input."""
 
-SKINNY_SINGLES = (("o_proj",),)
-"""Layers that are a group of their own where the skinny kernel runs the groups' GEMMs
-(``hf/skinny_linear.py``): the attention's output projection."""
+SKINNY = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+"""The groups whose GEMM the skinny kernel runs where it is on (``hf/skinny_linear.py``):
+the attention's projections, its output projection a group of its own; the MLP's stay
+cuBLAS's."""
 
 
 def _fusable(linears: list[Any]) -> bool:
@@ -117,7 +118,7 @@ class _Group:
 
 class FusedProjections:
     """Fuses every :data:`GROUPS` group of ``model`` that :func:`_fusable` allows (with
-    ``skinny``, also :data:`SKINNY_SINGLES`, and each group's GEMM is
+    ``skinny``, also the output projections, and the :data:`SKINNY` groups' GEMM is
     :func:`~tailcut.engine.hf.skinny_linear.linear`); the
     fused GEMMs run within :meth:`active` blocks on the thread that opened them (compiled
     decoder layers too: they run only there). :meth:`close` undoes it."""
@@ -127,10 +128,10 @@ class FusedProjections:
         self.groups: list[_Group] = []
         try:
             for module in model.modules():
-                for names in GROUPS + (SKINNY_SINGLES if skinny else ()):
+                for names in dict.fromkeys(GROUPS + (SKINNY if skinny else ())):
                     linears: list[Any] = [getattr(module, n, None) for n in names]
                     if all(x is not None for x in linears) and _fusable(linears):
-                        self._install(_Group(linears, skinny=skinny))
+                        self._install(_Group(linears, skinny=skinny and names in SKINNY))
         except BaseException:  # out of memory half-way: leave the model as it came
             self.close()
             raise

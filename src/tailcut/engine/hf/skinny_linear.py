@@ -82,6 +82,8 @@ def run(
         a = a.contiguous()
     rows, k = a.shape
     n = weight.shape[0]
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows and n:
         _kernel()[(triton_cdiv(n, block_n),)](
