@@ -145,6 +145,13 @@ class HFEngineConfig(_Model):
     programs (``hf/skinny_linear.py``) instead of cuBLAS's wide tiles on a few SMs; needs
     ``fuse_projections``' groups (it installs them). None: off (not yet timed on a GPU:
     ``python -m tailcut.bench.linear_bench``); true where Triton cannot run is an error."""
+    pdl: bool | None = None
+    """Programmatic dependent launch (Hopper and later, compute capability 9+): decode
+    passes launch the compiled layers' kernels (inductor's ``triton.enable_pdl``) and the
+    decode-attention kernel so that each one's blocks are scheduled while the kernel before
+    it drains, and wait on the device for its outputs (``griddepcontrol.wait``) before
+    reading them: the gap between two kernels of a replayed pass shrinks. Tokens are the
+    same either way. None: off; true on another device is an error."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -70,15 +70,16 @@ def test_tiny_fp32_on_cuda_matches_generate_and_full_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "kernel", "sampler", "skinny"),
+    ("overlap", "kernel", "sampler", "skinny", "pdl"),
     [
-        (False, False, False, False), (True, False, False, False), (True, True, False, False),
-        (True, True, True, False), (True, True, True, True),
+        (False, False, False, False, False), (True, False, False, False, False),
+        (True, True, False, False, False), (True, True, True, False, False),
+        (True, True, True, True, False), (True, True, True, False, True),
     ],
-    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler", "all+skinny"],
+    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler", "all+skinny", "all+pdl"],
 )  # fmt: skip
 def test_cuda_graph_decode_matches_eager_decode_and_generate(
-    overlap: bool, kernel: bool, sampler: bool, skinny: bool
+    overlap: bool, kernel: bool, sampler: bool, skinny: bool, pdl: bool
 ) -> None:
     """Ragged, staggered greedy requests with several rows aborted at once: the graph
     replays (padded buckets) give exactly the eager tokens, and ``generate``'s — also with
@@ -89,7 +90,7 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(
     async def main(graphs: bool) -> tuple[list[GenerateResult], int, int]:
         cfg = HFEngineConfig(
             max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel,
-            sample_kernel=sampler, skinny_linear=skinny,
+            sample_kernel=sampler, skinny_linear=skinny, pdl=pdl and graphs,
         )  # fmt: skip
         engine = HFEngine(model, cfg, max_batch_size=12, eos_ids=())
         try:

@@ -35,7 +35,7 @@ from tailcut.engine.hf.attention import (  # noqa: E402
 )
 from tailcut.engine.hf.decode_attention import decode_attention  # noqa: E402
 from tailcut.engine.hf.sampling import nucleus_logprobs  # noqa: E402
-from tailcut.engine.hf.triton_runs import kernel_for  # noqa: E402
+from tailcut.engine.hf.triton_runs import kernel_for, pdl_for  # noqa: E402
 from tailcut.types import GenerateResult  # noqa: E402
 
 VOCAB = 256
@@ -183,6 +183,18 @@ def test_the_setting_resolves_per_device() -> None:
     assert kernel_for("decode_kernel", None, cpu, default=True) is False  # default: CUDA only
     assert kernel_for("decode_kernel", False, cpu, default=True) is False
     assert kernel_for("decode_kernel", True, cpu, default=True) is True  # the interpreter
+
+
+def test_programmatic_dependent_launch_is_for_hopper_cuda_only() -> None:
+    """``engine.hf.pdl``: off by default, and asked for off CUDA an error naming it (the
+    launches themselves are the GPU tests')."""
+    cpu = torch.device("cpu")
+    assert pdl_for(None, cpu, default=True) is False
+    assert pdl_for(False, cpu, default=True) is False
+    with pytest.raises(ValueError, match=r"engine\.hf\.pdl=true needs a CUDA device of compute"):
+        pdl_for(True, cpu, default=False)
+    with pytest.raises(ValueError, match=r"engine\.hf\.pdl"):
+        run_engine(tiny_model("llama", VOCAB), _greedy_run([[5, 6]], [2]), slots=1, pdl=True)
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(

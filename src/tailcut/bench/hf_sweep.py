@@ -347,6 +347,7 @@ SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-decode-kernel": ("decode_kernel", False, "masked attention"),
     "--no-sample-kernel": ("sample_kernel", False, "eager sampler"),
     "--skinny-linear": ("skinny_linear", True, "skinny linear"),
+    "--pdl": ("pdl", True, "pdl"),
 }
 """Flags of :func:`main`: each sets one ``engine.hf`` option away from its default (and
 names the run after it)."""

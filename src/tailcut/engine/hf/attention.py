@@ -130,15 +130,21 @@ def defer_store(kv: torch.Tensor, store: Callable[[], None]) -> bool:
 
 
 @contextlib.contextmanager
-def attending(masks: SlotMasks, *, kernel: bool = False) -> Iterator[SlotMasks]:
+def attending(masks: SlotMasks, *, kernel: bool = False, pdl: bool = False) -> Iterator[SlotMasks]:
     """Run the model's attention on ``masks`` within this block (on this thread);
-    ``kernel``: a decode pass's calls run the decode kernel where it applies."""
-    outer = getattr(_local, "masks", None), getattr(_local, "kernel", False)
+    ``kernel``: a decode pass's calls run the decode kernel where it applies (``pdl``:
+    launched as a programmatic dependent of the kernel before it)."""
+    outer = (
+        getattr(_local, "masks", None),
+        getattr(_local, "kernel", False),
+        getattr(_local, "pdl", False),
+    )
     _local.masks, _local.kernel = masks, kernel and masks.ends is not None
+    _local.pdl = pdl
     try:
         yield masks
     finally:
-        _local.masks, _local.kernel = outer
+        _local.masks, _local.kernel, _local.pdl = outer
 
 
 @torch.compiler.disable
@@ -169,6 +175,7 @@ def slot_attention(
             out = decode_attention.decode_attention(
                 query, key, value, masks.ends, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
                 window=sliding_window, softcap=softcap, new=None if pending is None else pending[0],
+                pdl=_local.pdl,
             )  # fmt: skip
             return out, None
         if pending is not None:

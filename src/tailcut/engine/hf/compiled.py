@@ -72,10 +72,13 @@ def around_layers(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Mo
 class CompiledLayers:
     """Gives each decoder layer of ``model`` a compiled ``forward`` that runs within
     :meth:`decoding` blocks on the thread that opened them (any other call — a prefill,
-    the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it."""
+    the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it.
+    ``pdl``: the kernels are compiled with programmatic dependent launch
+    (``engine.hf.pdl``)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, pdl: bool = False) -> None:
         self.layers = decoder_layers(model)
+        self._pdl = pdl
         self._local = threading.local()
         # Each layer's attention passes its own index to the (eager) cache write, a
         # constant dynamo guards on: one entry per layer and shape class (batch 1 or more)
@@ -99,9 +102,18 @@ class CompiledLayers:
             # the break at the cache write resumes inside the attention function, so the
             # layer's first graph runs up to the write itself (``hf/cache.py``)
             limits["nested_graph_breaks"] = True
+        import torch._inductor.config as inductor
+
+        # generated kernels launched as programmatic dependents (``engine.hf.pdl``; a
+        # torch without the option compiles them as usual)
+        pdl = (
+            {"triton.enable_pdl": True}
+            if self._pdl and hasattr(inductor.triton, "enable_pdl")
+            else {}
+        )
         self._local.on = True
         try:
-            with dynamo.patch(**limits):
+            with dynamo.patch(**limits), inductor.patch(pdl):
                 yield
         finally:
             self._local.on = False

@@ -68,6 +68,7 @@ def decode_attention(
     softcap: float | None = None,
     splits: int | None = None,
     new: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``query [rows, heads, 1, d]``; ``key``/``value [rows, kv_heads, width, d]`` (views
     of the cache, any strides with the last dim contiguous); ``ends [rows]``: the column of
@@ -75,7 +76,9 @@ def decode_attention(
     ``splits``: programs per (row, head) (None: chosen from the rows and the widest row's
     columns, ``key.shape[2]``). ``new [2, rows, kv_heads, d]``: each row's newest key and
     value, stored here at column ``ends[row]`` of ``key``/``value`` (and attended to from
-    the registers that stored them); None: they are in the cache already."""
+    the registers that stored them); None: they are in the cache already. ``pdl``: launched
+    as a programmatic dependent of the kernel before it (CUDA, compute capability 9+): its
+    blocks start while that kernel drains and wait for its writes before the first read."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     if heads % kv_heads:
@@ -98,7 +101,9 @@ def decode_attention(
         # float32 caches multiply in float32 (not TF32): the eager path's arithmetic
         "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
         "STORE": new is not None,
+        "PDL": pdl,
     }
+    launch = {"launch_pdl": True} if pdl else {}
     if new is not None and new.shape != (2, rows, kv_heads, dim):
         raise ValueError(f"new keys/values {tuple(new.shape)} != {(2, rows, kv_heads, dim)}")
     fresh = key if new is None else new
@@ -109,13 +114,13 @@ def decode_attention(
     if splits <= 1:
         k["attend"][(rows, kv_heads)](
             q, key, value, fresh, ends, out, None, 0, *strides, out.stride(0), out.stride(2),
-            scale, 1, **pad,
+            scale, 1, **pad, **launch,
         )  # fmt: skip
         return out
     part = torch.empty(rows, heads, splits, dim + 2, dtype=torch.float32, device=query.device)
     k["attend"][(rows, kv_heads, splits)](
         q, key, value, fresh, ends, out, part, part.stride(0), *strides, out.stride(0), out.stride(2),
-        scale, splits, **pad,
+        scale, splits, **pad, **launch,
     )  # fmt: skip
     k["merge"][(rows, heads)](
         part, out, part.stride(0), part.stride(1), out.stride(0), out.stride(2), splits,
@@ -156,8 +161,12 @@ def _kernels() -> dict[str, Any]:
         scale, splits,
         GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-        STORE: tl.constexpr,
+        STORE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            # every input (the queries, the new keys and values, the cache) may be the
+            # previous kernel's output or its predecessors': wait for them all first
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)

@@ -74,6 +74,7 @@ class PassRunner:
         decode_kernel: bool = False,
         sample_kernel: bool = False,
         skinny_linear: bool = False,
+        pdl: bool = False,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -83,6 +84,7 @@ class PassRunner:
         self._max_prefill_tokens = max_prefill_tokens
         self._decode_kernel = decode_kernel
         self._sample_kernel = sample_kernel
+        self._pdl = pdl
         self._stage = HostStage(cache.shape.slots, self._device)
         self._local = threading.local()
         """``last``: during a prefill, on the thread running it, the last prompt column of
@@ -109,7 +111,7 @@ class PassRunner:
                 if fuse_projections or skinny_linear
                 else None
             )
-            self._compiled = CompiledLayers(model) if compile_layers else None
+            self._compiled = CompiledLayers(model, pdl=pdl) if compile_layers else None
         except BaseException as exc:
             if self._fused is not None:
                 self._fused.close()
@@ -149,7 +151,7 @@ class PassRunner:
         fusing = fused.active() if fused is not None else contextlib.nullcontext()
         kernel = self._decode_kernel and self._cache.decoding
         try:
-            with attention.attending(masks, kernel=kernel), compiled, fusing:
+            with attention.attending(masks, kernel=kernel, pdl=self._pdl), compiled, fusing:
                 result = self._model(
                     input_ids=ids,
                     position_ids=pos,

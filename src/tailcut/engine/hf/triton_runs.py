@@ -37,3 +37,20 @@ def kernel_for(option: str, setting: bool | None, device: torch.device, *, defau
             "to null or false"
         )
     return setting
+
+
+def pdl_for(setting: bool | None, device: torch.device, *, default: bool) -> bool:
+    """The switch ``engine.hf.pdl`` on ``device``: None is ``default`` on a CUDA device of
+    compute capability 9 or more where Triton runs (off elsewhere); True elsewhere raises
+    ``ValueError`` naming it."""
+    able = (
+        device.type == "cuda" and available() and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+    if setting is None:
+        return default and able
+    if setting and not able:
+        raise ValueError(
+            "engine.hf.pdl=true needs a CUDA device of compute capability 9 or more (Hopper) "
+            f"and Triton (the engine runs on {device}); set it to null or false"
+        )
+    return setting

@@ -40,7 +40,7 @@ from tailcut.engine.hf.memory import EngineMemory
 from tailcut.engine.hf.records import Command, Counters, Live, Waiter, post
 from tailcut.engine.hf.step import PassRunner, Sampled
 from tailcut.engine.hf.support import UnsupportedModel, describe, length_reasons
-from tailcut.engine.hf.triton_runs import kernel_for
+from tailcut.engine.hf.triton_runs import kernel_for, pdl_for
 from tailcut.types import FinishReason, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class SlotWorker:
             decode_kernel=kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
             sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=True),
             skinny_linear=kernel_for("skinny_linear", cfg.skinny_linear, shape.device, default=False),
+            pdl=pdl_for(cfg.pdl, shape.device, default=False),
         )  # fmt: skip
         self._overlap = graphs if cfg.overlap is None else cfg.overlap
         self._pending: tuple[Sampled, int] | None = None
