@@ -2,18 +2,20 @@
 
 At batch 64 a small model's attention projections are tiny GEMMs: ``[64, 896] x [896,
 1152]`` (the fused q/k/v of a 0.5B model) reads 2 MB of weights, under 1 us at HBM speed,
-yet cuBLAS takes 4–4.5 us in a profiled decode pass. The reading here (not yet
-measured): its output tiles of ``64 x 64`` or wider leave a handful of SMs each walking a
+yet cuBLAS takes 4–4.5 us in a profiled decode pass. The reading this kernel was written
+on: cuBLAS's output tiles of ``64 x 64`` or wider leave a handful of SMs each walking a
 long slice of the weight while the rest idle. This kernel gives each program
 :data:`BLOCK_N` output columns and every row of the batch (``rows <=`` :data:`MAX_ROWS`),
 so a ``[.., 896]`` output is 56 programs reading 28 KB each, the input's rows read from
 L2 by all of them; the bias is added in float32 before the one rounding to the output's
 dtype. Wider batches, and weights past :data:`MAX_IN` or :data:`MAX_OUT`, go to
-``F.linear``.
+``F.linear``. Measured on an H100 (``linear_bench``, 64 rows): 1.10–1.13x cuBLAS on a
+0.5B model's q/k/v and o, 1.03–1.05x on a 1.5B's, slower on the MLP's projections
+(0.65–0.88x), and no gain in a whole decode pass — both sides take 3–4 us where reading
+the weight takes under 1, a replayed kernel's launch and one chain of loads.
 
 The op is registered with torch (``tailcut::skinny_linear``), so a compiled decoder layer
-calls it as one opaque kernel and a CUDA graph records it as any other. Off by default
-until timed on a GPU (``python -m tailcut.bench.linear_bench``).
+calls it as one opaque kernel and a CUDA graph records it as any other. Off by default.
 """
 
 from __future__ import annotations
