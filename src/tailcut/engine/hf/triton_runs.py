@@ -20,6 +20,18 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def _grid_dependency_control() -> bool:
+    """Triton imports and has ``tl.extra.cuda.gdc_wait`` (what a dependent launch waits with)."""
+    if not available():
+        return False
+    try:
+        from triton.language.extra import cuda
+    except Exception:
+        return False
+    return hasattr(cuda, "gdc_wait")
+
+
 def runs_on(device: torch.device) -> bool:
     """A Triton kernel runs on tensors of ``device``."""
     return available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
@@ -44,13 +56,16 @@ def pdl_for(setting: bool | None, device: torch.device, *, default: bool) -> boo
     compute capability 9 or more where Triton runs (off elsewhere); True elsewhere raises
     ``ValueError`` naming it."""
     able = (
-        device.type == "cuda" and available() and torch.cuda.get_device_capability(device)[0] >= 9
+        device.type == "cuda"
+        and _grid_dependency_control()
+        and torch.cuda.get_device_capability(device)[0] >= 9
     )
     if setting is None:
         return default and able
     if setting and not able:
         raise ValueError(
             "engine.hf.pdl=true needs a CUDA device of compute capability 9 or more (Hopper) "
-            f"and Triton (the engine runs on {device}); set it to null or false"
+            f"and a Triton with grid dependency control (the engine runs on {device}); set it "
+            "to null or false"
         )
     return setting
