@@ -4,7 +4,8 @@
 # tokenizer on its first rows), tokens/s beside the weight-read bound, decode and prefill
 # ms/pass, peak memory, release/resume of the KV cache and weights; the full-vocabulary
 # sampling cost; eager decode against CUDA graphs; the attention projections by cuBLAS and
-# by the skinny kernel (engine.hf.skinny_linear); the engine against model.generate;
+# by the skinny kernel (engine.hf.skinny_linear); programmatic dependent launch
+# (engine.hf.pdl); the engine against model.generate;
 # the opt-in GPU tests. Every step is time-boxed and logged; a failed step does not stop
 # the others. JSON lands in $OUT/, a compact summary on stdout and in $OUT/summary.txt.
 #
@@ -118,6 +119,10 @@ if [ "${RUN_EXTRAS:-1}" = 1 ] && [ -n "${first:-}" ]; then
     if [ "$DEVICE" = cuda ] && [ -f "$(resolve "$first")/config.json" ]; then
         step "linear_bench_$tag" 60 "$PY" -m tailcut.bench.linear_bench "$(resolve "$first")"
         sweep "skinny_$tag" 120 "$first" --batch "${BATCHES%% *}" --no-release --skinny-linear
+    fi
+    # programmatic dependent launch (engine.hf.pdl, Hopper): the smallest batch again with it
+    if [ "$DEVICE" = cuda ]; then
+        sweep "pdl_$tag" 120 "$first" --batch "${BATCHES%% *}" --no-release --pdl
     fi
     # the engine against batched model.generate (same prompts and lengths), aborts
     step "vs_generate_$tag" 120 "$PY" -m tailcut bench --engine hf --model "$first" \
