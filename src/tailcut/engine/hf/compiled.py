@@ -102,21 +102,24 @@ class CompiledLayers:
             # the break at the cache write resumes inside the attention function, so the
             # layer's first graph runs up to the write itself (``hf/cache.py``)
             limits["nested_graph_breaks"] = True
-        import torch._inductor.config as inductor
-
-        # generated kernels launched as programmatic dependents (``engine.hf.pdl``; a
-        # torch without the option compiles them as usual)
-        pdl = (
-            {"triton.enable_pdl": True}
-            if self._pdl and hasattr(inductor.triton, "enable_pdl")
-            else {}
-        )
         self._local.on = True
         try:
-            with dynamo.patch(**limits), inductor.patch(pdl):
+            with dynamo.patch(**limits), self._launches():
                 yield
         finally:
             self._local.on = False
+
+    def _launches(self) -> contextlib.AbstractContextManager[Any]:
+        """Generated kernels launched as programmatic dependents (``engine.hf.pdl``; a torch
+        without inductor's option compiles them as usual): inductor reads it as it compiles,
+        over the first decode passes."""
+        if not self._pdl:
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor
+
+        if not hasattr(inductor.triton, "enable_pdl"):
+            return contextlib.nullcontext()
+        return inductor.patch({"triton.enable_pdl": True})
 
     def _switch(
         self, eager: Callable[..., Any], compiled: Callable[..., Any]
