@@ -56,3 +56,20 @@ def test_compiled_decode_passes_keep_tokens_and_logprobs_and_the_layers_come_bac
 def test_a_model_without_decoder_layers_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Linear has no list of \\*DecoderLayer modules"):
         CompiledLayers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_programmatic_dependent_launch_reaches_inductor_only_while_decoding(pdl: bool) -> None:
+    """``engine.hf.pdl``: inductor compiles the layers (over the first decode passes, inside
+    :meth:`CompiledLayers.decoding`) with its ``triton.enable_pdl`` set, and only then;
+    off, its setting is left as it was."""
+    import torch._inductor.config as inductor
+
+    before = inductor.triton.enable_pdl
+    layers = CompiledLayers(tiny_qwen2(seed=1), pdl=pdl)
+    try:
+        with layers.decoding():
+            assert inductor.triton.enable_pdl is (pdl or before)
+        assert inductor.triton.enable_pdl is before
+    finally:
+        layers.close()
