@@ -4,15 +4,15 @@
 
 For each model's geometry (its ``config.json``: no weights are read; a built-in variant's
 directory is ``tailcut model init --variant qwen2-0.5b``'s) and batch size, the fused
-q/k/v (with its bias), the attention output, the gate/up and the down projections in the model's
-dtype (bf16 on CUDA): microseconds a call for ``F.linear`` and for
+q/k/v (with its bias), the attention output, the gate/up and the down projections in the
+model's dtype (bf16 on CUDA): microseconds a call for ``F.linear`` and for
 ``hf/skinny_linear.py``'s kernel at a few block shapes, both in one run, and the ratio
 (cuBLAS over kernel: above 1 the kernel is faster). On CUDA each is timed as 50 calls
 replayed from one CUDA graph (the median of 10 replays), as a decode pass replays them, so
 the launch floor counts as it does there; the calls cycle through copies of the weight that
 overflow the L2 cache twice, so each reads its weight from memory as a pass does (one
-weight re-read 50 times stays in L2 and flatters both). Off CUDA (the interpreter: ``TRITON_INTERPRET=1``)
-it only runs the code; its timings mean nothing.
+weight re-read 50 times stays in L2 and flatters both). Off CUDA (the interpreter:
+``TRITON_INTERPRET=1``) it only runs the code; its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_bench(models: list[str], rows: list[int], device: str = "cuda") -> list[
             copies = 1
             if dev.type == "cuda":
                 l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-                copies = min(64, -(-2 * l2 // (n * k * w_bytes(dtype))))
+                copies = min(64, -(-2 * l2 // (n * k * dtype.itemsize)))
             ws = [
                 torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * 0.02
                 for _ in range(copies)
@@ -105,12 +105,6 @@ def run_bench(models: list[str], rows: list[int], device: str = "cuda") -> list[
                 row = {"model": model, "projection": name, "rows": m, "out": n, "in": k}
                 out.append(row | {"weight_copies": copies} | _timings(x, ws, b))
     return out
-
-
-def w_bytes(dtype: Any) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _timings(x: Any, ws: list[Any], b: Any) -> dict[str, Any]:
