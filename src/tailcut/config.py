@@ -153,8 +153,8 @@ class HFEngineConfig(_Model):
     decode-attention kernel so that each one's blocks are scheduled while the kernel before
     it drains, and wait on the device for its outputs (``griddepcontrol.wait``) before
     reading them: the gap between two kernels of a replayed pass shrinks. Tokens are the
-    same either way. None: off (not yet run on a GPU: ``python -m tailcut.bench.hf_sweep
-    MODEL --pdl`` against the same without); true on another device is an error."""
+    same either way. None: off (not yet run on a GPU: ``python -m tailcut.bench.hf_ab MODEL
+    --switch pdl`` measures it against the defaults); true on another device is an error."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -1,0 +1,162 @@
+"""Benchmark: engine switches against the defaults, alternated on one machine.
+
+A switch that moves a decode pass by a few percent is lost in the spread between hosts,
+and between sessions on one host (0.5B at batch 64 on H100s: 1.118–1.198 ms a pass with
+the same code). ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` runs the batch sweep
+(:mod:`tailcut.bench.hf_sweep`) without the switches (A) and with them (B), alternated
+``--rounds`` times (A B A B ...) so that the card's and the host's drift falls on both,
+each run in a process of its own (compiled kernels and inductor's settings do not carry
+from one run to the next). It prints each run's decode milliseconds a pass and, per batch
+size, the ratio of the medians — A ÷ B, above 1 where the switches make a pass faster —
+beside the spread of A's own runs: a ratio within that spread is not a measured gain.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tailcut.bench.hf_sweep import SWITCHES
+
+SWITCH_NAMES = {flag.removeprefix("--"): flag for flag in SWITCHES}
+"""``--switch`` values: :data:`hf_sweep.SWITCHES`' flags without their dashes."""
+
+
+def _ms(run: dict[str, Any]) -> dict[int, float]:
+    return {b["batch"]: b["decode_ms_per_pass"] for b in run["batches"]}
+
+
+def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch size, from the sweeps' figures (``hf_sweep`` JSON) of the A and B runs:
+    each run's decode ms a pass, the medians, ``a_over_b`` (median A ÷ median B) and the
+    relative spread of each side's runs ((max − min) ÷ median). Raises ``ValueError`` if a
+    run lacks a batch size the first A run has."""
+    if not a_runs or not b_runs:
+        raise ValueError("summarize needs at least one A run and one B run")
+    rows = []
+    for batch, bound_ms in ((b["batch"], b["bound_ms_per_pass"]) for b in a_runs[0]["batches"]):
+        sides = {}
+        for side, runs in (("a", a_runs), ("b", b_runs)):
+            ms = []
+            for i, run in enumerate(runs):
+                if batch not in _ms(run):
+                    raise ValueError(f"run {side.upper()}{i + 1} has no batch {batch}")
+                ms.append(_ms(run)[batch])
+            sides[side] = ms
+        med = {side: statistics.median(ms) for side, ms in sides.items()}
+        rows.append({
+            "batch": batch, "a_ms": sides["a"], "b_ms": sides["b"],
+            "a_median_ms": med["a"], "b_median_ms": med["b"], "a_over_b": med["a"] / med["b"],
+            "a_spread": (max(sides["a"]) - min(sides["a"])) / med["a"],
+            "b_spread": (max(sides["b"]) - min(sides["b"])) / med["b"],
+            "a_of_bound": bound_ms / med["a"], "b_of_bound": bound_ms / med["b"],
+        })  # fmt: skip
+    return rows
+
+
+def _sweep(cmd: list[str], label: str, timeout_s: float) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"run {label} took over {timeout_s:.0f} s: {' '.join(cmd)}") from exc
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"run {label} exited {done.returncode}: {' '.join(cmd)}\n{tail}")
+
+
+def run_ab(
+    model: str, switches: list[str], out_dir: Path, *, batches: list[int], rounds: int = 2,
+    max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto",
+    hbm_gbs: float | None = None, timeout_s: float = 600.0,
+) -> dict[str, Any]:  # fmt: skip
+    """A (the defaults) and B (``switches``, names of :data:`SWITCH_NAMES`) alternated
+    ``rounds`` times on ``model`` (a directory or a ``random-*`` name); each run's figures
+    go to ``out_dir/a{i}.json`` / ``b{i}.json``, the summary to ``out_dir/ab.json``.
+    Raises ``ValueError`` for an unknown switch, ``RuntimeError`` naming the run that
+    failed or overran ``timeout_s``."""
+    unknown = [s for s in switches if s not in SWITCH_NAMES]
+    if unknown or not switches:
+        raise ValueError(
+            f"--switch {' '.join(unknown) or '(none)'}: name one or more of {', '.join(SWITCH_NAMES)}"
+        )
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: at least 1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, "-m", "tailcut.bench.hf_sweep", model, "--batch", *map(str, batches),
+            "--max-new-tokens", str(max_new_tokens), "--device", device, "--dtype", dtype,
+            "--no-release"]  # fmt: skip
+    if hbm_gbs is not None:
+        base += ["--hbm-gbs", str(hbm_gbs)]
+    runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for i in range(1, rounds + 1):
+        for side, extra in (("a", []), ("b", [SWITCH_NAMES[s] for s in switches])):
+            path = out_dir / f"{side}{i}.json"
+            _sweep([*base, *extra, "--out", str(path)], f"{side.upper()}{i}", timeout_s)
+            runs[side].append(json.loads(path.read_text(encoding="utf-8")))
+    first = runs["a"][0]
+    figures = {
+        "model": model, "card": first["card"], "device": first["device"],
+        "dtype": first["dtype"], "switches": switches, "rounds": rounds,
+        "max_new_tokens": max_new_tokens, "hbm_gbs": first["hbm_gbs"],
+        "order": [f"{s}{i}" for i in range(1, rounds + 1) for s in "AB"],
+        "b_engine_options": runs["b"][0]["engine_options"],
+        "batches": summarize(runs["a"], runs["b"]),
+    }  # fmt: skip
+    (out_dir / "ab.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return figures
+
+
+def _print(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{figures['model']} on {figures['card'] or figures['device']}: A defaults, B "
+        f"{' '.join(figures['switches'])}; {figures['rounds']} rounds, {' '.join(figures['order'])}"
+    )
+    for col in ("batch", "A ms a pass", "B ms a pass", "A of bound", "B of bound", "A ÷ B",
+                "A spread"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in figures["batches"]:
+        table.add_row(
+            str(r["batch"]), " ".join(f"{x:.3f}" for x in r["a_ms"]),
+            " ".join(f"{x:.3f}" for x in r["b_ms"]), f"{r['a_of_bound']:.1%}",
+            f"{r['b_of_bound']:.1%}", f"{r['a_over_b']:.3f}", f"{r['a_spread']:.1%}",
+        )  # fmt: skip
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tailcut.bench.hf_ab MODEL --switch pdl [--rounds 2] [--batch 64]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tailcut.bench.hf_ab")
+    ap.add_argument("model", help="model directory or random-* name")
+    ap.add_argument("--switch", nargs="+", required=True, choices=sorted(SWITCH_NAMES),
+                    help="what B sets away from the defaults (hf_sweep's flags)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, nargs="+", default=[64])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--hbm-gbs", type=float, help="bandwidth of the bound, GB/s")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="the most one run may take")
+    ap.add_argument("--out", type=Path, default=Path("ab"), help="folder for the runs' JSON")
+    a = ap.parse_args(argv)
+    try:
+        figures = run_ab(
+            a.model, a.switch, a.out, batches=a.batch, rounds=a.rounds,
+            max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype,
+            hbm_gbs=a.hbm_gbs, timeout_s=a.timeout_s,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"hf_ab: {exc}") from None
+    _print(figures)
+
+
+if __name__ == "__main__":
+    main()
