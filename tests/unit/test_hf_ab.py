@@ -38,6 +38,10 @@ def test_a_run_missing_a_batch_size_is_named() -> None:
 def test_an_unknown_switch_or_no_round_is_refused_before_any_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--switch turbo: name one or more of .*pdl"):
         run_ab("random-tiny", ["turbo"], tmp_path, batches=[2])
+    with pytest.raises(ValueError, match=r"--switch \(none\): .*or an --inductor setting"):
+        run_ab("random-tiny", [], tmp_path, batches=[2])
+    with pytest.raises(ValueError, match=r"torch\._inductor\.config has no 'turbo'"):
+        run_ab("random-tiny", [], tmp_path, batches=[2], inductor=["turbo=1"])
     with pytest.raises(ValueError, match="--rounds 0"):
         run_ab("random-tiny", ["pdl"], tmp_path, batches=[2], rounds=0)
     assert list(tmp_path.iterdir()) == []
@@ -54,7 +58,8 @@ def test_a_failed_run_is_named_with_its_error(tmp_path: Path) -> None:
 def test_two_real_sweeps_alternate_and_the_summary_reads_their_files(tmp_path: Path) -> None:
     out = tmp_path / "ab"
     main([
-        "random-tiny", "--switch", "no-fuse", "no-overlap", "--rounds", "1", "--batch", "2",
+        "random-tiny", "--switch", "no-fuse", "no-overlap", "--inductor", "combo_kernels=true",
+        "--rounds", "1", "--batch", "2",
         "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32", "--out", str(out),
     ])  # fmt: skip
     figures = json.loads((out / "ab.json").read_text())
@@ -64,6 +69,7 @@ def test_two_real_sweeps_alternate_and_the_summary_reads_their_files(tmp_path: P
     assert b["engine_options"] == figures["b_engine_options"] == {
         "fuse_projections": False, "overlap": False,
     }  # fmt: skip
+    assert a["inductor"] == {} and b["inductor"] == figures["b_inductor"] == {"combo_kernels": True}
     (row,) = figures["batches"]
     a_ms, b_ms = a["batches"][0]["decode_ms_per_pass"], b["batches"][0]["decode_ms_per_pass"]
     assert row["batch"] == 2 and row["a_ms"] == [a_ms] and row["b_ms"] == [b_ms]

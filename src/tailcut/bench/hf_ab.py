@@ -6,9 +6,11 @@ the same code). ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` runs the ba
 (:mod:`tailcut.bench.hf_sweep`) without the switches (A) and with them (B), alternated
 ``--rounds`` times (A B A B ...) so that the card's and the host's drift falls on both,
 each run in a process of its own (compiled kernels and inductor's settings do not carry
-from one run to the next). It prints each run's decode milliseconds a pass and, per batch
-size, the ratio of the medians — A ÷ B, above 1 where the switches make a pass faster —
-beside the spread of A's own runs: a ratio within that spread is not a measured gain.
+from one run to the next). B may also set inductor's config (``--inductor KEY=VALUE``,
+such as ``combo_kernels=true``): what the compiled layers are built with, which no engine
+switch exposes. It prints each run's decode milliseconds a pass and, per batch size, the
+ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
+A's own runs: a ratio within that spread is not a measured gain.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tailcut.bench.hf_sweep import SWITCHES
+from tailcut.bench.hf_sweep import SWITCHES, inductor_settings
 
 SWITCH_NAMES = {flag.removeprefix("--"): flag for flag in SWITCHES}
 """``--switch`` values: :data:`hf_sweep.SWITCHES`' flags without their dashes."""
@@ -71,18 +74,21 @@ def _sweep(cmd: list[str], label: str, timeout_s: float) -> None:
 def run_ab(
     model: str, switches: list[str], out_dir: Path, *, batches: list[int], rounds: int = 2,
     max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto",
-    hbm_gbs: float | None = None, timeout_s: float = 600.0,
+    hbm_gbs: float | None = None, timeout_s: float = 600.0, inductor: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
-    """A (the defaults) and B (``switches``, names of :data:`SWITCH_NAMES`) alternated
-    ``rounds`` times on ``model`` (a directory or a ``random-*`` name); each run's figures
-    go to ``out_dir/a{i}.json`` / ``b{i}.json``, the summary to ``out_dir/ab.json``.
-    Raises ``ValueError`` for an unknown switch, ``RuntimeError`` naming the run that
-    failed or overran ``timeout_s``."""
+    """A (the defaults) and B (``switches``, names of :data:`SWITCH_NAMES`, and
+    ``inductor``, ``KEY=VALUE`` settings of inductor's config) alternated ``rounds`` times
+    on ``model`` (a directory or a ``random-*`` name); each run's figures go to
+    ``out_dir/a{i}.json`` / ``b{i}.json``, the summary to ``out_dir/ab.json``. Raises
+    ``ValueError`` for an unknown switch or setting, or neither given, ``RuntimeError``
+    naming the run that failed or overran ``timeout_s``."""
     unknown = [s for s in switches if s not in SWITCH_NAMES]
-    if unknown or not switches:
+    if unknown or not (switches or inductor):
         raise ValueError(
-            f"--switch {' '.join(unknown) or '(none)'}: name one or more of {', '.join(SWITCH_NAMES)}"
+            f"--switch {' '.join(unknown) or '(none)'}: name one or more of "
+            f"{', '.join(SWITCH_NAMES)} (or an --inductor setting)"
         )
+    inductor_settings(list(inductor))  # refused here, before any run
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: at least 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,7 +99,9 @@ def run_ab(
         base += ["--hbm-gbs", str(hbm_gbs)]
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for i in range(1, rounds + 1):
-        for side, extra in (("a", []), ("b", [SWITCH_NAMES[s] for s in switches])):
+        b_args = [SWITCH_NAMES[s] for s in switches]
+        b_args += [arg for pair in inductor for arg in ("--inductor", pair)]
+        for side, extra in (("a", []), ("b", b_args)):
             path = out_dir / f"{side}{i}.json"
             _sweep([*base, *extra, "--out", str(path)], f"{side.upper()}{i}", timeout_s)
             runs[side].append(json.loads(path.read_text(encoding="utf-8")))
@@ -103,7 +111,8 @@ def run_ab(
         "dtype": first["dtype"], "switches": switches, "rounds": rounds,
         "max_new_tokens": max_new_tokens, "hbm_gbs": first["hbm_gbs"],
         "order": [f"{s}{i}" for i in range(1, rounds + 1) for s in "AB"],
-        "b_engine_options": runs["b"][0]["engine_options"],
+        "inductor": list(inductor), "b_engine_options": runs["b"][0]["engine_options"],
+        "b_inductor": runs["b"][0]["inductor"],
         "batches": summarize(runs["a"], runs["b"]),
     }  # fmt: skip
     (out_dir / "ab.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
@@ -116,7 +125,7 @@ def _print(figures: dict[str, Any]) -> None:
 
     table = Table(
         title=f"{figures['model']} on {figures['card'] or figures['device']}: A defaults, B "
-        f"{' '.join(figures['switches'])}; {figures['rounds']} rounds, {' '.join(figures['order'])}"
+        f"{' '.join(figures['switches'] + figures['inductor'])}; {figures['rounds']} rounds, {' '.join(figures['order'])}"
     )
     for col in ("batch", "A ms a pass", "B ms a pass", "A of bound", "B of bound", "A ÷ B",
                 "A spread"):  # fmt: skip
@@ -131,13 +140,16 @@ def _print(figures: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tailcut.bench.hf_ab MODEL --switch pdl [--rounds 2] [--batch 64]``."""
+    """``python -m tailcut.bench.hf_ab MODEL --switch pdl [--inductor KEY=VALUE]
+    [--rounds 2] [--batch 64]``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m tailcut.bench.hf_ab")
     ap.add_argument("model", help="model directory or random-* name")
-    ap.add_argument("--switch", nargs="+", required=True, choices=sorted(SWITCH_NAMES),
+    ap.add_argument("--switch", nargs="+", default=[], choices=sorted(SWITCH_NAMES),
                     help="what B sets away from the defaults (hf_sweep's flags)")  # fmt: skip
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="a torch._inductor.config setting for B (repeatable)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -151,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         figures = run_ab(
             a.model, a.switch, a.out, batches=a.batch, rounds=a.rounds,
             max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype,
-            hbm_gbs=a.hbm_gbs, timeout_s=a.timeout_s,
+            hbm_gbs=a.hbm_gbs, timeout_s=a.timeout_s, inductor=a.inductor,
         )  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"hf_ab: {exc}") from None
