@@ -4,22 +4,23 @@
 # tokenizer on its first rows), tokens/s beside the weight-read bound, decode and prefill
 # ms/pass, peak memory, release/resume of the KV cache and weights; the full-vocabulary
 # sampling cost; eager decode against CUDA graphs; the attention projections by cuBLAS and
-# by the skinny kernel (engine.hf.skinny_linear); programmatic dependent launch
-# (engine.hf.pdl); the engine against model.generate;
-# the opt-in GPU tests. Every step is time-boxed and logged; a failed step does not stop
-# the others. JSON lands in $OUT/, a compact summary on stdout and in $OUT/summary.txt.
+# by the skinny kernel (engine.hf.skinny_linear); the engine against model.generate; the
+# opt-in GPU tests; last, a switch not yet decided (engine.hf.pdl) against the defaults,
+# alternated. Every step is time-boxed and logged; a failed step does not stop the others.
+# JSON lands in $OUT/, a compact summary on stdout and in $OUT/summary.txt.
 #
 #   PYTHONPATH=/tmp/new:/tmp/base:src OUT=/path bash scripts/gpu_figures.sh
 #
 # Knobs (environment): PY (python3), DEVICE (cuda), SIZES ("0.5b 1.5b": builtin-qwen2-*
 # models built first), MODELS (more specs to sweep, e.g. random-tiny or a model directory),
 # BATCHES ("64 256 1024"), NEW_TOKENS (128), HBM_GBS (4800), UNCOMPILED (1: each size
-# again without engine.hf.compile_layers), RUN_EXTRAS (1), RUN_TESTS (1),
+# again without engine.hf.compile_layers), RUN_EXTRAS (1), RUN_TESTS (1), RUN_AB (1),
+# AB_ARGS ("--switch pdl": what B sets, hf_ab's options), AB_ROUNDS (2),
 # TAILCUT_CACHE (/tmp/tailcut-cache: where the models are built, offline), DEADLINE_S (570:
 # the whole script ends by then, skipping or cutting what would run past it, so that a
 # 10-minute limit on the command still leaves the summary).
 # CPU dry run (a minute): DEVICE=cpu SIZES= MODELS=random-tiny BATCHES="2 4" NEW_TOKENS=4 \
-#   RUN_TESTS=0 PYTHONPATH=src bash scripts/gpu_figures.sh
+#   RUN_TESTS=0 AB_ARGS="--switch no-fuse" PYTHONPATH=src bash scripts/gpu_figures.sh
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_figures}"
@@ -120,10 +121,6 @@ if [ "${RUN_EXTRAS:-1}" = 1 ] && [ -n "${first:-}" ]; then
         step "linear_bench_$tag" 60 "$PY" -m tailcut.bench.linear_bench "$(resolve "$first")"
         sweep "skinny_$tag" 120 "$first" --batch "${BATCHES%% *}" --no-release --skinny-linear
     fi
-    # programmatic dependent launch (engine.hf.pdl, Hopper): the smallest batch again with it
-    if [ "$DEVICE" = cuda ]; then
-        sweep "pdl_$tag" 120 "$first" --batch "${BATCHES%% *}" --no-release --pdl
-    fi
     # the engine against batched model.generate (same prompts and lengths), aborts
     step "vs_generate_$tag" 120 "$PY" -m tailcut bench --engine hf --model "$first" \
         --device "$DEVICE" --requests 128 --concurrency 64 --max-new-tokens "$NEW_TOKENS" --json
@@ -133,6 +130,18 @@ fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
     step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/gpu -o addopts="" -p no:cacheprovider
     tail -n 3 "$OUT/gpu_tests.out"
+fi
+
+# switches not yet decided, each against the defaults at the smallest batch, alternated
+# A B A B on this machine (python -m tailcut.bench.hf_ab): programmatic dependent launch
+# (engine.hf.pdl, Hopper); AB_ARGS replaces what B sets
+if [ "${RUN_AB:-1}" = 1 ] && [ -n "${first:-}" ]; then
+    dir=$(resolve "$first")
+    # shellcheck disable=SC2086
+    step "ab_$tag" 300 "$PY" -m tailcut.bench.hf_ab "$dir" ${AB_ARGS:---switch pdl} \
+        --rounds "${AB_ROUNDS:-2}" --batch "${BATCHES%% *}" --max-new-tokens "$NEW_TOKENS" \
+        --device "$DEVICE" --hbm-gbs "$HBM_GBS" --out "$OUT/ab_$tag"
+    tail -n 12 "$OUT/ab_$tag.out"
 fi
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
@@ -188,5 +197,14 @@ for f in sorted(out.glob("vs_generate_*.json")):
               f"{d['abort']['median_ms']:.1f} ms, tokens after abort {d['abort']['tokens_after_abort']}")
     except Exception as exc:
         print(f"{f.stem}: unreadable ({exc})")
+for f in sorted(out.glob("ab_*/ab.json")):
+    try:
+        d = json.loads(f.read_text())
+        for r in d["batches"]:
+            print(f"{f.parent.name}: B = {' '.join(d['switches'] + d['inductor'])} at B={r['batch']}: "
+                  f"A {' '.join(f'{x:.3f}' for x in r['a_ms'])} ms, B {' '.join(f'{x:.3f}' for x in r['b_ms'])} "
+                  f"ms ({' '.join(d['order'])}); A/B {r['a_over_b']:.3f}, A's spread {r['a_spread']:.1%}")
+    except Exception as exc:
+        print(f"{f.parent.name}: unreadable ({exc})")
 print(open(out / "steps.txt").read().strip())
 PYEOF
