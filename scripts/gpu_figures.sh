@@ -133,15 +133,19 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
 fi
 
 # switches not yet decided, each against the defaults at the smallest batch, alternated
-# A B A B on this machine (python -m tailcut.bench.hf_ab): programmatic dependent launch
+# A B, B A on this machine (python -m tailcut.bench.hf_ab): programmatic dependent launch
 # (engine.hf.pdl, Hopper); AB_ARGS replaces what B sets
-if [ "${RUN_AB:-1}" = 1 ] && [ -n "${first:-}" ]; then
-    dir=$(resolve "$first")
-    # shellcheck disable=SC2086
-    step "ab_$tag" 300 "$PY" -m tailcut.bench.hf_ab "$dir" ${AB_ARGS:---switch pdl} \
-        --rounds "${AB_ROUNDS:-2}" --batch "${BATCHES%% *}" --max-new-tokens "$NEW_TOKENS" \
-        --device "$DEVICE" --hbm-gbs "$HBM_GBS" --out "$OUT/ab_$tag"
-    tail -n 12 "$OUT/ab_$tag.out"
+# (off CUDA only with AB_ARGS: engine.hf.pdl is refused there)
+if [ "${RUN_AB:-1}" = 1 ] && [ -n "${first:-}" ] && { [ "$DEVICE" = cuda ] || [ -n "${AB_ARGS:-}" ]; }; then
+    if dir=$(resolve "$first"); then
+        # shellcheck disable=SC2086
+        step "ab_$tag" 300 "$PY" -m tailcut.bench.hf_ab "$dir" ${AB_ARGS:---switch pdl} \
+            --rounds "${AB_ROUNDS:-2}" --batch "${BATCHES%% *}" --max-new-tokens "$NEW_TOKENS" \
+            --device "$DEVICE" --hbm-gbs "$HBM_GBS" --timeout-s 150 --out "$OUT/ab_$tag"
+        tail -n 12 "$OUT/ab_$tag.out"
+    else
+        echo "ab_$tag: cannot resolve $first" | tee -a "$OUT/steps.txt"
+    fi
 fi
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"

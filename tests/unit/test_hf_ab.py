@@ -30,9 +30,11 @@ def test_the_ratio_is_of_the_medians_beside_each_sides_spread() -> None:
     assert rows[256]["a_over_b"] == pytest.approx(1.50 / 1.60)  # B slower: below 1
 
 
-def test_a_run_missing_a_batch_size_is_named() -> None:
+def test_a_run_missing_a_batch_size_or_without_decode_passes_is_named() -> None:
     with pytest.raises(ValueError, match="run B2 has no batch 256"):
         summarize([_run({64: 1.0, 256: 1.5})], [_run({64: 1.0, 256: 1.5}), _run({64: 1.0})])
+    with pytest.raises(ValueError, match="run A1 timed no decode pass at batch 64"):
+        summarize([_run({64: 0.0})], [_run({64: 1.0})])
 
 
 def test_an_unknown_switch_or_no_round_is_refused_before_any_run(tmp_path: Path) -> None:
@@ -40,10 +42,10 @@ def test_an_unknown_switch_or_no_round_is_refused_before_any_run(tmp_path: Path)
         run_ab("random-tiny", ["turbo"], tmp_path, batches=[2])
     with pytest.raises(ValueError, match=r"--switch \(none\): .*or an --inductor setting"):
         run_ab("random-tiny", [], tmp_path, batches=[2])
+    with pytest.raises(ValueError, match="--rounds 1: at least 2"):
+        run_ab("random-tiny", ["pdl"], tmp_path, batches=[2], rounds=1)
     with pytest.raises(ValueError, match=r"torch\._inductor\.config has no 'turbo'"):
         run_ab("random-tiny", [], tmp_path, batches=[2], inductor=["turbo=1"])
-    with pytest.raises(ValueError, match="--rounds 0"):
-        run_ab("random-tiny", ["pdl"], tmp_path, batches=[2], rounds=0)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -55,23 +57,22 @@ def test_a_failed_run_is_named_with_its_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_real_sweeps_alternate_and_the_summary_reads_their_files(tmp_path: Path) -> None:
+def test_real_sweeps_alternate_and_the_summary_reads_their_files(tmp_path: Path) -> None:
+    """Four sweeps, A B then B A; the summary's figures are those of the runs' own files."""
     out = tmp_path / "ab"
     main([
-        "random-tiny", "--switch", "no-fuse", "no-overlap", "--inductor", "combo_kernels=true",
-        "--rounds", "1", "--batch", "2",
+        "random-tiny", "--switch", "no-fuse", "no-overlap", "--rounds", "2", "--batch", "2",
         "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32", "--out", str(out),
     ])  # fmt: skip
     figures = json.loads((out / "ab.json").read_text())
-    a, b = (json.loads((out / f"{s}1.json").read_text()) for s in "ab")
-    assert figures["order"] == ["A1", "B1"]
-    assert a["engine_options"] == {}
-    assert b["engine_options"] == figures["b_engine_options"] == {
-        "fuse_projections": False, "overlap": False,
-    }  # fmt: skip
-    assert a["inductor"] == {} and b["inductor"] == figures["b_inductor"] == {"combo_kernels": True}
+    assert figures["order"] == ["A1", "B1", "B2", "A2"] and figures["rounds"] == 2
+    a, b = ([json.loads((out / f"{s}{i}.json").read_text()) for i in (1, 2)] for s in "ab")
+    assert all(run["engine_options"] == {} for run in a)
+    assert all(run["engine_options"] == figures["b_engine_options"] for run in b)
+    assert figures["b_engine_options"] == {"fuse_projections": False, "overlap": False}
     (row,) = figures["batches"]
-    a_ms, b_ms = a["batches"][0]["decode_ms_per_pass"], b["batches"][0]["decode_ms_per_pass"]
-    assert row["batch"] == 2 and row["a_ms"] == [a_ms] and row["b_ms"] == [b_ms]
-    assert row["a_over_b"] == pytest.approx(a_ms / b_ms)
-    assert a["batches"][0]["tokens"] == b["batches"][0]["tokens"] == 8
+    a_ms = [run["batches"][0]["decode_ms_per_pass"] for run in a]
+    b_ms = [run["batches"][0]["decode_ms_per_pass"] for run in b]
+    assert row["batch"] == 2 and row["a_ms"] == a_ms and row["b_ms"] == b_ms
+    assert row["a_over_b"] == pytest.approx((sum(a_ms) / 2) / (sum(b_ms) / 2))
+    assert all(run["batches"][0]["tokens"] == 8 for run in a + b)

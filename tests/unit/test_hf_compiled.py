@@ -17,7 +17,11 @@ from test_hf_engine import VOCAB, tiny_qwen2  # noqa: E402
 
 from fakes.hf_runs import check_greedy_then_sampled, made_up_prompt, run_engine  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
-from tailcut.engine.hf.compiled import CompiledLayers, decoder_layers  # noqa: E402
+from tailcut.engine.hf.compiled import (  # noqa: E402
+    CompiledLayers,
+    decoder_layers,
+    inductor_options,
+)
 from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
 
 
@@ -73,3 +77,54 @@ def test_programmatic_dependent_launch_reaches_inductor_only_while_decoding(pdl:
         assert inductor.triton.enable_pdl is before
     finally:
         layers.close()
+
+
+def test_inductor_settings_hold_on_the_decoding_thread_only() -> None:
+    """``engine.hf.inductor``: inductor's patches are thread-local, so the settings must
+    hold on the thread that runs the decode passes (where the layers compile), inside
+    :meth:`CompiledLayers.decoding` only; another thread, and this one afterwards, read
+    inductor's own."""
+    import threading
+
+    import torch._inductor.config as inductor
+
+    before = inductor.combo_kernels
+    layers = CompiledLayers(tiny_qwen2(seed=1), inductor={"combo_kernels": not before})
+    seen: dict[str, bool] = {}
+
+    def decode_thread() -> None:
+        with layers.decoding():
+            seen["inside"] = inductor.combo_kernels
+            other = threading.Thread(target=lambda: seen.update(other=inductor.combo_kernels))
+            other.start()
+            other.join()
+        seen["after"] = inductor.combo_kernels
+
+    try:
+        worker = threading.Thread(target=decode_thread)
+        worker.start()
+        worker.join()
+    finally:
+        layers.close()
+    assert seen == {"inside": not before, "other": before, "after": before}
+    assert inductor.combo_kernels is before
+
+
+def test_inductor_settings_are_checked_against_inductors_own() -> None:
+    assert inductor_options({"triton.enable_pdl": True, "combo_kernel_max_num_nodes": 4}) == {
+        "triton.enable_pdl": True, "combo_kernel_max_num_nodes": 4,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"engine\.hf\.inductor: .* has no 'turbo'"):
+        inductor_options({"turbo": True})
+    with pytest.raises(ValueError, match=r"inductor\.combo_kernels: 'False' is a str, .* bool"):
+        inductor_options({"combo_kernels": "False"})
+    with pytest.raises(ValueError, match=r"combo_kernel_max_num_nodes: True is a bool, .* int"):
+        inductor_options({"combo_kernel_max_num_nodes": True})
+
+
+def test_inductor_settings_without_compiled_layers_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"engine\.hf\.inductor is set but the decoder layers"):
+        run_engine(
+            tiny_qwen2(seed=1), lambda engine: asyncio.sleep(0), slots=1,
+            compile_layers=False, inductor={"combo_kernels": True},
+        )  # fmt: skip

@@ -4,9 +4,10 @@ A switch that moves a decode pass by a few percent is lost in the spread between
 and between sessions on one host (0.5B at batch 64 on H100s: 1.118–1.198 ms a pass with
 the same code). ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` runs the batch sweep
 (:mod:`tailcut.bench.hf_sweep`) without the switches (A) and with them (B), alternated
-``--rounds`` times (A B A B ...) so that the card's and the host's drift falls on both,
-each run in a process of its own (compiled kernels and inductor's settings do not carry
-from one run to the next). B may also set inductor's config (``--inductor KEY=VALUE``,
+``--rounds`` times (A B, then B A, ...) so that the card's and the host's drift falls on
+both, each run in a process of its own (nothing one run sets or compiles in memory carries
+to the next; inductor's on-disk cache of compiled kernels does, and warm-up runs are not
+timed). B may also set inductor's config (``--inductor KEY=VALUE``,
 such as ``combo_kernels=true``): what the compiled layers are built with, which no engine
 switch exposes. It prints each run's decode milliseconds a pass and, per batch size, the
 ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
@@ -37,7 +38,7 @@ def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> lis
     """Per batch size, from the sweeps' figures (``hf_sweep`` JSON) of the A and B runs:
     each run's decode ms a pass, the medians, ``a_over_b`` (median A ÷ median B) and the
     relative spread of each side's runs ((max − min) ÷ median). Raises ``ValueError`` if a
-    run lacks a batch size the first A run has."""
+    run lacks a batch size the first A run has, or timed no decode pass at it."""
     if not a_runs or not b_runs:
         raise ValueError("summarize needs at least one A run and one B run")
     rows = []
@@ -48,6 +49,11 @@ def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> lis
             for i, run in enumerate(runs):
                 if batch not in _ms(run):
                     raise ValueError(f"run {side.upper()}{i + 1} has no batch {batch}")
+                if not _ms(run)[batch] > 0:
+                    raise ValueError(
+                        f"run {side.upper()}{i + 1} timed no decode pass at batch {batch} "
+                        "(a request's first token comes from its prefill: give it more tokens)"
+                    )
                 ms.append(_ms(run)[batch])
             sides[side] = ms
         med = {side: statistics.median(ms) for side, ms in sides.items()}
@@ -89,33 +95,35 @@ def run_ab(
             f"{', '.join(SWITCH_NAMES)} (or an --inductor setting)"
         )
     inductor_settings(list(inductor))  # refused here, before any run
-    if rounds < 1:
-        raise ValueError(f"--rounds {rounds}: at least 1")
+    if rounds < 2:
+        raise ValueError(f"--rounds {rounds}: at least 2 (a side's spread needs two runs)")
     out_dir.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "tailcut.bench.hf_sweep", model, "--batch", *map(str, batches),
             "--max-new-tokens", str(max_new_tokens), "--device", device, "--dtype", dtype,
             "--no-release"]  # fmt: skip
     if hbm_gbs is not None:
         base += ["--hbm-gbs", str(hbm_gbs)]
+    b_args = [SWITCH_NAMES[s] for s in switches]
+    b_args += [arg for pair in inductor for arg in ("--inductor", pair)]
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    order: list[str] = []
+    figures: dict[str, Any] = {}
     for i in range(1, rounds + 1):
-        b_args = [SWITCH_NAMES[s] for s in switches]
-        b_args += [arg for pair in inductor for arg in ("--inductor", pair)]
-        for side, extra in (("a", []), ("b", b_args)):
+        sides = (("a", []), ("b", b_args)) if i % 2 else (("b", b_args), ("a", []))
+        for side, extra in sides:
             path = out_dir / f"{side}{i}.json"
             _sweep([*base, *extra, "--out", str(path)], f"{side.upper()}{i}", timeout_s)
             runs[side].append(json.loads(path.read_text(encoding="utf-8")))
-    first = runs["a"][0]
-    figures = {
-        "model": model, "card": first["card"], "device": first["device"],
-        "dtype": first["dtype"], "switches": switches, "rounds": rounds,
-        "max_new_tokens": max_new_tokens, "hbm_gbs": first["hbm_gbs"],
-        "order": [f"{s}{i}" for i in range(1, rounds + 1) for s in "AB"],
-        "inductor": list(inductor), "b_engine_options": runs["b"][0]["engine_options"],
-        "b_inductor": runs["b"][0]["inductor"],
-        "batches": summarize(runs["a"], runs["b"]),
-    }  # fmt: skip
-    (out_dir / "ab.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+            order.append(f"{side.upper()}{i}")
+        first = runs["a"][0]
+        figures = {  # after each round, so that a run cut short keeps its rounds
+            "model": model, "card": first["card"], "device": first["device"],
+            "dtype": first["dtype"], "switches": switches, "inductor": list(inductor),
+            "rounds": i, "max_new_tokens": max_new_tokens, "hbm_gbs": first["hbm_gbs"],
+            "order": order, "b_engine_options": runs["b"][0]["engine_options"],
+            "batches": summarize(runs["a"], runs["b"]),
+        }  # fmt: skip
+        (out_dir / "ab.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
     return figures
 
 

@@ -253,15 +253,13 @@ def run_hf_sweep(
     dtype: str = "auto", hbm_gbs: float | None = None, seed: int = 0, release: bool = True,
     threads: int | None = None, json_out: bool = False, name: str | None = None,
     engine_options: dict[str, Any] | None = None, out: Path | None = None,
-    profile: bool = False, inductor: dict[str, Any] | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Every batch size in turn on one loaded model; prints a table (or JSON) and returns
     the figures (also written to ``out`` as JSON after each batch size, so a run cut short
     keeps what it measured). ``model``: a model directory (resolved) or a ``random-*``
-    name. ``inductor``: settings of ``torch._inductor.config`` held for the run (what the
-    compiled layers are compiled with; see :func:`inductor_settings`)."""
+    name."""
     import torch
-    import torch._inductor.config as inductor_config
 
     from tailcut.engine.hf.load import load_causal_lm, tokenizer_rows
 
@@ -280,45 +278,40 @@ def run_hf_sweep(
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
         "hbm_gbs": hbm_gbs, "max_new_tokens": max_new_tokens, "load_s": load_s,
-        "engine_options": dict(engine_options or {}), "inductor": dict(inductor or {}),
-        "batches": [],
+        "engine_options": dict(engine_options or {}), "batches": [],
     }  # fmt: skip
-    with inductor_config.patch(dict(inductor or {})):
-        for b in batch_sizes:
-            figures["batches"].append(
-                asyncio.run(
-                    measure_batch(
-                        lm, b, max_new_tokens, vocab_rows=rows, hbm_gbs=hbm_gbs, seed=seed,
-                        release=release, engine_options=engine_options or {}, profile=profile,
-                    )
+    for b in batch_sizes:
+        figures["batches"].append(
+            asyncio.run(
+                measure_batch(
+                    lm, b, max_new_tokens, vocab_rows=rows, hbm_gbs=hbm_gbs, seed=seed,
+                    release=release, engine_options=engine_options or {}, profile=profile,
                 )
-            )  # fmt: skip
-            if out is not None:
-                out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+            )
+        )  # fmt: skip
+        if out is not None:
+            out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
     _print(figures, json_out)
     return figures
 
 
 def inductor_settings(pairs: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs as settings of ``torch._inductor.config`` (dotted keys such as
-    ``triton.enable_pdl``; a value is read as JSON where it parses — ``true``, ``8`` — and
-    as a string otherwise). Raises ``ValueError`` naming a pair without ``=`` or a key
-    inductor does not have."""
-    import torch._inductor.config as inductor_config
+    """``KEY=VALUE`` pairs as ``engine.hf.inductor`` (settings of ``torch._inductor.config``,
+    dotted keys such as ``triton.enable_pdl``; a value is read as JSON where it parses —
+    ``true``, ``8`` — and as a string otherwise). Raises ``ValueError`` naming a pair
+    without ``=``, a key inductor lacks or a value of another type than its default."""
+    from tailcut.engine.hf.compiled import inductor_options
 
-    known = inductor_config.get_config_copy()
     settings: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--inductor {pair!r}: expected KEY=VALUE")
-        if key not in known:
-            raise ValueError(f"--inductor {pair!r}: torch._inductor.config has no {key!r}")
         try:
             settings[key] = json.loads(raw)
         except json.JSONDecodeError:
             settings[key] = raw
-    return settings
+    return inductor_options(settings)
 
 
 def _gb(n: int | None) -> str:
@@ -396,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument(
         "--inductor", action="append", default=[], metavar="KEY=VALUE",
-        help="a torch._inductor.config setting for the run (repeatable)",
+        help="engine.hf.inductor: a torch._inductor.config setting the compiled layers "
+        "are built with (repeatable)",
     )  # fmt: skip
     a = ap.parse_args(argv)
     try:
@@ -412,12 +406,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.full_vocab:
         options["vocab_rows"] = 1 << 30  # capped at the head's rows by the engine
         name += " (full vocab)"
-    for key, value in inductor.items():
-        name += f" (inductor {key}={value})"
+    if inductor:
+        options["inductor"] = inductor
+        name += "".join(f" (inductor {key}={value})" for key, value in inductor.items())
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
         release=not a.no_release, name=name,
-        engine_options=options, out=a.out, profile=a.profile, inductor=inductor,
+        engine_options=options, out=a.out, profile=a.profile,
     )  # fmt: skip
 
 

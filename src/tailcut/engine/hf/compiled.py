@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,15 +69,48 @@ def around_layers(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Mo
     return []
 
 
+def _fits(default: Any, value: Any) -> bool:
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def inductor_options(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` checked as ``torch._inductor.config`` settings (``engine.hf.inductor``):
+    each key one inductor has (dotted, such as ``triton.enable_pdl``), each value of its
+    default's type (an int for a float; any for a default of None). Raises ``ValueError``
+    naming the first that is not."""
+    import torch._inductor.config as inductor
+
+    known = inductor.get_config_copy()
+    for key, value in settings.items():
+        if key not in known:
+            raise ValueError(f"engine.hf.inductor: torch._inductor.config has no {key!r}")
+        if not _fits(known[key], value):
+            raise ValueError(
+                f"engine.hf.inductor.{key}: {value!r} is a {type(value).__name__}, inductor's "
+                f"setting takes a {type(known[key]).__name__} (default {known[key]!r})"
+            )
+    return dict(settings)
+
+
 class CompiledLayers:
     """Gives each decoder layer of ``model`` a compiled ``forward`` that runs within
     :meth:`decoding` blocks on the thread that opened them (any other call — a prefill,
     the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it.
     ``pdl``: the kernels are compiled with programmatic dependent launch
-    (``engine.hf.pdl``)."""
+    (``engine.hf.pdl``); ``inductor``: settings of inductor's config they are compiled with
+    (``engine.hf.inductor``, checked by :func:`inductor_options`)."""
 
-    def __init__(self, model: Any, *, pdl: bool = False) -> None:
+    def __init__(
+        self, model: Any, *, pdl: bool = False, inductor: Mapping[str, Any] | None = None
+    ) -> None:
         self.layers = decoder_layers(model)
+        self._inductor = inductor_options(inductor or {})
         self._pdl = pdl
         self._local = threading.local()
         # Each layer's attention passes its own index to the (eager) cache write, a
@@ -110,16 +143,18 @@ class CompiledLayers:
             self._local.on = False
 
     def _launches(self) -> contextlib.AbstractContextManager[Any]:
-        """Generated kernels launched as programmatic dependents (``engine.hf.pdl``; a torch
-        without inductor's option compiles them as usual): inductor reads it as it compiles,
-        over the first decode passes."""
-        if not self._pdl:
-            return contextlib.nullcontext()
+        """Inductor's settings while it compiles, over the first decode passes (its patches
+        hold on the patching thread only: this one): ``engine.hf.inductor``, and generated
+        kernels launched as programmatic dependents (``engine.hf.pdl``; a torch without
+        inductor's option compiles them as usual)."""
         import torch._inductor.config as inductor
 
-        if not hasattr(inductor.triton, "enable_pdl"):
+        settings = dict(self._inductor)
+        if self._pdl and hasattr(inductor.triton, "enable_pdl"):
+            settings["triton.enable_pdl"] = True
+        if not settings:
             return contextlib.nullcontext()
-        return inductor.patch({"triton.enable_pdl": True})
+        return inductor.patch(settings)
 
     def _switch(
         self, eager: Callable[..., Any], compiled: Callable[..., Any]

@@ -75,6 +75,7 @@ class PassRunner:
         sample_kernel: bool = False,
         skinny_linear: bool = False,
         pdl: bool = False,
+        inductor: dict[str, Any] | None = None,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -111,7 +112,9 @@ class PassRunner:
                 if fuse_projections or skinny_linear
                 else None
             )
-            self._compiled = CompiledLayers(model, pdl=pdl) if compile_layers else None
+            self._compiled = (
+                CompiledLayers(model, pdl=pdl, inductor=inductor) if compile_layers else None
+            )
         except BaseException as exc:
             if self._fused is not None:
                 self._fused.close()
