@@ -139,9 +139,9 @@ fi
 if [ "${RUN_AB:-1}" = 1 ] && [ -n "${first:-}" ] && { [ "$DEVICE" = cuda ] || [ -n "${AB_ARGS:-}" ]; }; then
     if dir=$(resolve "$first"); then
         # shellcheck disable=SC2086
-        step "ab_$tag" 300 "$PY" -m tailcut.bench.hf_ab "$dir" ${AB_ARGS:---switch pdl} \
+        step "ab_$tag" 420 "$PY" -m tailcut.bench.hf_ab "$dir" ${AB_ARGS:---switch pdl} \
             --rounds "${AB_ROUNDS:-2}" --batch "${BATCHES%% *}" --max-new-tokens "$NEW_TOKENS" \
-            --device "$DEVICE" --hbm-gbs "$HBM_GBS" --timeout-s 150 --out "$OUT/ab_$tag"
+            --device "$DEVICE" --hbm-gbs "$HBM_GBS" --timeout-s 100 --out "$OUT/ab_$tag"
         tail -n 12 "$OUT/ab_$tag.out"
     else
         echo "ab_$tag: cannot resolve $first" | tee -a "$OUT/steps.txt"

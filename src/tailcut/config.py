@@ -157,13 +157,15 @@ class HFEngineConfig(_Model):
     --switch pdl`` measures it against the defaults); true on another device is an error."""
     inductor: dict[str, Any] = Field(default_factory=dict)
     """Settings of ``torch._inductor.config`` the compiled decoder layers are compiled
-    with (``compile_layers``), as a serving engine's inductor compile config: dotted keys,
-    such as ``combo_kernels: true`` or ``triton.enable_pdl: true``. They hold on the thread
-    of the decode passes that compile the layers, and nowhere else. Empty: inductor's own
-    defaults, which is what the engine's figures were measured with; ``python -m
-    tailcut.bench.hf_ab MODEL --inductor KEY=VALUE`` times one against them. A key inductor
-    lacks, a value of another type than its default, or settings where the layers are not
-    compiled are errors."""
+    with (``compile_layers``), as a serving engine's inductor compile config: dotted or
+    nested keys, such as ``combo_kernels: true`` or ``triton.max_tiles: 2``. They hold on
+    the thread of the decode passes that compile the layers; inductor's compile workers in
+    other processes get only part of its settings, so settings of that pool itself
+    (``compile_threads``) do not take effect. Empty: inductor's own defaults, which is what
+    the engine's figures were measured with; ``python -m tailcut.bench.hf_ab MODEL
+    --inductor KEY=VALUE`` times one against them. A key inductor lacks or keeps private,
+    ``triton.enable_pdl`` (``pdl`` sets it), a value of a type the setting does not take,
+    or settings where the layers are not compiled are errors when the engine starts."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

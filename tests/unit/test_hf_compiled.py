@@ -6,6 +6,9 @@ pass."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -84,8 +87,6 @@ def test_inductor_settings_hold_on_the_decoding_thread_only() -> None:
     hold on the thread that runs the decode passes (where the layers compile), inside
     :meth:`CompiledLayers.decoding` only; another thread, and this one afterwards, read
     inductor's own."""
-    import threading
-
     import torch._inductor.config as inductor
 
     before = inductor.combo_kernels
@@ -111,15 +112,54 @@ def test_inductor_settings_hold_on_the_decoding_thread_only() -> None:
 
 
 def test_inductor_settings_are_checked_against_inductors_own() -> None:
-    assert inductor_options({"triton.enable_pdl": True, "combo_kernel_max_num_nodes": 4}) == {
-        "triton.enable_pdl": True, "combo_kernel_max_num_nodes": 4,
+    """Keys inductor has (nested as a config override nests them, or dotted), values of the
+    types its settings declare; ``triton.enable_pdl`` is ``engine.hf.pdl``'s."""
+    assert inductor_options({"triton": {"max_tiles": 2}, "combo_kernel_max_num_nodes": 4}) == {
+        "triton.max_tiles": 2, "combo_kernel_max_num_nodes": 4,
     }  # fmt: skip
     with pytest.raises(ValueError, match=r"engine\.hf\.inductor: .* has no 'turbo'"):
         inductor_options({"turbo": True})
+    with pytest.raises(ValueError, match=r"has no '_save_config_ignore'"):
+        inductor_options({"_save_config_ignore": []})
+    with pytest.raises(ValueError, match=r"triton\.enable_pdl: set engine\.hf\.pdl instead"):
+        inductor_options({"triton.enable_pdl": True})
+    with pytest.raises(ValueError, match=r"triton\.max_tiles: 'abc' is a str, .* int or NoneType"):
+        inductor_options({"triton.max_tiles": "abc"})
     with pytest.raises(ValueError, match=r"inductor\.combo_kernels: 'False' is a str, .* bool"):
         inductor_options({"combo_kernels": "False"})
     with pytest.raises(ValueError, match=r"combo_kernel_max_num_nodes: True is a bool, .* int"):
         inductor_options({"combo_kernel_max_num_nodes": True})
+
+
+def test_the_engines_inductor_settings_reach_its_compiling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the engine (config → worker → pass runner → compiled layers), on CPU with
+    the layers compiled: inside every decode pass's ``decoding`` block, on the thread that
+    runs it, inductor reads the setting; this thread does not."""
+    import torch._inductor.config as inductor
+
+    before = inductor.combo_kernels
+    seen: list[tuple[str, bool]] = []
+    decoding = CompiledLayers.decoding
+
+    @contextlib.contextmanager
+    def watched(self: CompiledLayers) -> Iterator[None]:
+        with decoding(self):
+            seen.append((threading.current_thread().name, inductor.combo_kernels))
+            yield
+
+    monkeypatch.setattr(CompiledLayers, "decoding", watched)
+    torch._dynamo.reset()
+    results = run_engine(
+        tiny_qwen2(seed=1),
+        lambda engine: engine.generate(_req([5, 6, 7], 3, temperature=0.0)),
+        slots=1, compile_layers=True, inductor={"combo_kernels": not before},
+    )  # fmt: skip
+    assert len(results.output_ids) == 3
+    assert seen and all(value is (not before) for _, value in seen)
+    assert any(name != threading.current_thread().name for name, _ in seen)
+    assert inductor.combo_kernels is before
 
 
 def test_inductor_settings_without_compiled_layers_are_refused() -> None:

@@ -69,9 +69,12 @@ def test_inductor_settings_reach_the_engine_and_bad_ones_are_named() -> None:
             "random-tiny", "--batch", "2", "--max-new-tokens", "4", "--device", "cpu",
             "--no-release", "--inductor", "combo_kernels=true",
         ])  # fmt: skip
-    assert inductor_settings(["triton.enable_pdl=true", "max_autotune_gemm_backends=ATEN"]) == {
-        "triton.enable_pdl": True, "max_autotune_gemm_backends": "ATEN",
+    assert inductor_settings(["triton.max_tiles=2", "max_autotune_gemm_backends=ATEN"]) == {
+        "triton.max_tiles": 2, "max_autotune_gemm_backends": "ATEN",
     }  # fmt: skip
+    assert inductor_settings(["max_autotune_gemm_backends=1"]) == {  # a str setting: as given
+        "max_autotune_gemm_backends": "1"
+    }
     for bad, why in (
         ("turbo=1", r"torch\._inductor\.config has no 'turbo'"),
         ("combo_kernels=False", r"'False' is a str"),

@@ -95,6 +95,8 @@ def run_ab(
             f"{', '.join(SWITCH_NAMES)} (or an --inductor setting)"
         )
     inductor_settings(list(inductor))  # refused here, before any run
+    if inductor and device == "cpu":
+        raise ValueError("--inductor needs compiled layers, which the sweep compiles on CUDA only")
     if rounds < 2:
         raise ValueError(f"--rounds {rounds}: at least 2 (a side's spread needs two runs)")
     out_dir.mkdir(parents=True, exist_ok=True)

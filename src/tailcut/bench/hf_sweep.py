@@ -297,9 +297,10 @@ def run_hf_sweep(
 
 def inductor_settings(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` pairs as ``engine.hf.inductor`` (settings of ``torch._inductor.config``,
-    dotted keys such as ``triton.enable_pdl``; a value is read as JSON where it parses —
-    ``true``, ``8`` — and as a string otherwise). Raises ``ValueError`` naming a pair
-    without ``=``, a key inductor lacks or a value of another type than its default."""
+    dotted keys such as ``triton.max_tiles``; a value is read as JSON where it parses and
+    the setting takes it — ``true``, ``8`` — and as a string otherwise). Raises
+    ``ValueError`` naming a pair without ``=``, a key inductor lacks or a value the setting
+    does not take."""
     from tailcut.engine.hf.compiled import inductor_options
 
     settings: dict[str, Any] = {}
@@ -308,9 +309,15 @@ def inductor_settings(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ValueError(f"--inductor {pair!r}: expected KEY=VALUE")
         try:
-            settings[key] = json.loads(raw)
+            parsed = json.loads(raw)
         except json.JSONDecodeError:
-            settings[key] = raw
+            parsed = raw
+        try:
+            inductor_options({key: parsed})
+        except ValueError:
+            inductor_options({key: raw})  # a string setting given digits; else its error
+            parsed = raw
+        settings[key] = parsed
     return inductor_options(settings)
 
 

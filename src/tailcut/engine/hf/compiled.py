@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -69,33 +70,68 @@ def around_layers(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Mo
     return []
 
 
-def _fits(default: Any, value: Any) -> bool:
-    if default is None:
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _takes(declared: Any, default: Any) -> tuple[type, ...]:
+    """The value types a setting takes, of those a config file can give (bool, int, float,
+    str, None): from its declared type (``int | None``) where inductor records one, else
+    from its default's type (any of them for a default of None)."""
+    args = typing.get_args(declared) if declared is not None else ()
+    if isinstance(declared, type):
+        args = (declared,)
+    if args:
+        return tuple(t for t in args if t in _SCALARS)
+    return _SCALARS if default is None else (type(default),)
+
+
+def _fits(value: Any, takes: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in takes
+    if isinstance(value, int) and float in takes:
         return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(default, bool) and isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))
-    return isinstance(value, type(default))
+    return any(isinstance(value, t) and t is not bool for t in takes)
+
+
+def _flat(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"triton": {"enable_pdl": true}}`` as ``{"triton.enable_pdl": true}`` (how a
+    ``key.sub=value`` override of a config nests it)."""
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def inductor_options(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` checked as ``torch._inductor.config`` settings (``engine.hf.inductor``):
-    each key one inductor has (dotted, such as ``triton.enable_pdl``), each value of its
-    default's type (an int for a float; any for a default of None). Raises ``ValueError``
-    naming the first that is not."""
+    """``settings`` (``engine.hf.inductor``, nested or dotted: ``combo_kernels``,
+    ``triton.max_tiles``) checked as ``torch._inductor.config`` settings: a public key
+    inductor has, other than ``triton.enable_pdl`` (``engine.hf.pdl`` sets it, where the
+    device has it), with a value of a type the setting takes (an int for a float). Returns
+    them dotted; raises ``ValueError`` naming the first that is not."""
     import torch._inductor.config as inductor
 
     known = inductor.get_config_copy()
-    for key, value in settings.items():
-        if key not in known:
+    declared = getattr(inductor, "_config", {})
+    flat = _flat(settings)
+    for key, value in flat.items():
+        if key == "triton.enable_pdl":
+            raise ValueError(
+                "engine.hf.inductor.triton.enable_pdl: set engine.hf.pdl instead (it checks "
+                "the device can launch them)"
+            )
+        if key not in known or key.split(".")[-1].startswith("_"):
             raise ValueError(f"engine.hf.inductor: torch._inductor.config has no {key!r}")
-        if not _fits(known[key], value):
+        takes = _takes(getattr(declared.get(key), "value_type", None), known[key])
+        if not _fits(value, takes):
+            wanted = " or ".join(t.__name__ for t in takes) or "a value no config file gives"
             raise ValueError(
                 f"engine.hf.inductor.{key}: {value!r} is a {type(value).__name__}, inductor's "
-                f"setting takes a {type(known[key]).__name__} (default {known[key]!r})"
+                f"setting takes {wanted} (default {known[key]!r})"
             )
-    return dict(settings)
+    return flat
 
 
 class CompiledLayers:

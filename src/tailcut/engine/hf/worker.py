@@ -64,25 +64,28 @@ class SlotWorker:
         if too_long:
             raise UnsupportedModel(describe(model.config, type(model).__name__), too_long[0])
         graphs = cfg.cuda_graphs and shape.device.type == "cuda"
-        # CUDA graphs read the cache at fixed addresses: allocate it whole, once
-        self._cache = SlotKVCache(shape, shape.max_seq_len if graphs else 256)
-        compile_layers = graphs if cfg.compile_layers is None else cfg.compile_layers
-        if cfg.inductor and not compile_layers:
+        # every switch resolved (a bad one refused) before the cache takes its memory
+        switches: dict[str, Any] = {
+            "compile_layers": graphs if cfg.compile_layers is None else cfg.compile_layers,
+            "fuse_projections": graphs if cfg.fuse_projections is None else cfg.fuse_projections,
+            "decode_kernel": kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
+            "sample_kernel": kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=True),
+            "skinny_linear": kernel_for("skinny_linear", cfg.skinny_linear, shape.device, default=False),
+            "pdl": pdl_for(cfg.pdl, shape.device, default=False),
+            "inductor": inductor_options(cfg.inductor),
+        }  # fmt: skip
+        if cfg.inductor and not switches["compile_layers"]:
             raise ValueError(
                 "engine.hf.inductor is set but the decoder layers are not compiled "
                 f"(engine.hf.compile_layers={cfg.compile_layers}, CUDA graphs "
                 f"{'on' if graphs else 'off'}): set compile_layers to true, or drop it"
             )
+        # CUDA graphs read the cache at fixed addresses: allocate it whole, once
+        self._cache = SlotKVCache(shape, shape.max_seq_len if graphs else 256)
         self._runner = PassRunner(
             model, self._cache, cache_kwarg=cache_kwarg, logprob_mode=cfg.logprobs,
             graphs=graphs, max_prefill_tokens=cfg.max_prefill_tokens, vocab_rows=vocab_rows,
-            compile_layers=compile_layers,
-            fuse_projections=graphs if cfg.fuse_projections is None else cfg.fuse_projections,
-            decode_kernel=kernel_for("decode_kernel", cfg.decode_kernel, shape.device, default=True),
-            sample_kernel=kernel_for("sample_kernel", cfg.sample_kernel, shape.device, default=True),
-            skinny_linear=kernel_for("skinny_linear", cfg.skinny_linear, shape.device, default=False),
-            pdl=pdl_for(cfg.pdl, shape.device, default=False),
-            inductor=inductor_options(cfg.inductor),
+            **switches,
         )  # fmt: skip
         self._overlap = graphs if cfg.overlap is None else cfg.overlap
         self._pending: tuple[Sampled, int] | None = None
