@@ -34,8 +34,10 @@ def _request(case, max_new_tokens: int, request_id: str | None = None) -> Genera
 async def _start_long(case, engine: Engine, request_id: str | None = None):
     req = _request(case, case.long_tokens, request_id)
     task = asyncio.create_task(engine.generate(req))
-    await asyncio.sleep(case.settle_s)
+    # running on the engine first, then settle_s of it: under load a request can reach a
+    # server well after it was sent, and one aborted as it arrives has no tokens yet
     await _until_in_flight(engine, [req.request_id])
+    await asyncio.sleep(case.settle_s)
     assert not task.done(), f"{case.name}: a long request ended before settle_s"
     return req, task
 
