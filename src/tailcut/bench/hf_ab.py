@@ -47,14 +47,15 @@ def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> lis
         for side, runs in (("a", a_runs), ("b", b_runs)):
             ms = []
             for i, run in enumerate(runs):
-                if batch not in _ms(run):
+                timed = _ms(run).get(batch)
+                if timed is None:
                     raise ValueError(f"run {side.upper()}{i + 1} has no batch {batch}")
-                if not _ms(run)[batch] > 0:
+                if not timed > 0:
                     raise ValueError(
                         f"run {side.upper()}{i + 1} timed no decode pass at batch {batch} "
                         "(a request's first token comes from its prefill: give it more tokens)"
                     )
-                ms.append(_ms(run)[batch])
+                ms.append(timed)
             sides[side] = ms
         med = {side: statistics.median(ms) for side, ms in sides.items()}
         rows.append({

@@ -318,7 +318,7 @@ def inductor_settings(pairs: list[str]) -> dict[str, Any]:
             inductor_options({key: raw})  # a string setting given digits; else its error
             parsed = raw
         settings[key] = parsed
-    return inductor_options(settings)
+    return settings
 
 
 def _gb(n: int | None) -> str:

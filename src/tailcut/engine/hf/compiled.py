@@ -77,9 +77,7 @@ def _takes(declared: Any, default: Any) -> tuple[type, ...]:
     """The value types a setting takes, of those a config file can give (bool, int, float,
     str, None): from its declared type (``int | None``) where inductor records one, else
     from its default's type (any of them for a default of None)."""
-    args = typing.get_args(declared) if declared is not None else ()
-    if isinstance(declared, type):
-        args = (declared,)
+    args = (declared,) if isinstance(declared, type) else typing.get_args(declared)
     if args:
         return tuple(t for t in args if t in _SCALARS)
     return _SCALARS if default is None else (type(default),)
@@ -140,13 +138,13 @@ class CompiledLayers:
     the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it.
     ``pdl``: the kernels are compiled with programmatic dependent launch
     (``engine.hf.pdl``); ``inductor``: settings of inductor's config they are compiled with
-    (``engine.hf.inductor``, checked by :func:`inductor_options`)."""
+    (``engine.hf.inductor`` as :func:`inductor_options` returns it: checked, dotted)."""
 
     def __init__(
         self, model: Any, *, pdl: bool = False, inductor: Mapping[str, Any] | None = None
     ) -> None:
         self.layers = decoder_layers(model)
-        self._inductor = inductor_options(inductor or {})
+        self._inductor = dict(inductor or {})
         self._pdl = pdl
         self._local = threading.local()
         # Each layer's attention passes its own index to the (eager) cache write, a
