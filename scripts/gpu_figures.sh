@@ -174,7 +174,8 @@ for f in sorted(out.glob("*.json")):
         r = b.get("release") or {}
         line = (f"  B={b['batch']:>4} (mean {b['mean_batch']:.0f}): "
                 f"{b['decode_tokens_per_s'] or 0:>9,.0f} tok/s decode = {b['of_bound'] or 0:6.1%} of "
-                f"{b['bound_tokens_per_s']:,.0f} | {b['decode_ms_per_pass']:.2f} ms/pass (bound "
+                f"{b['bound_tokens_per_s']:,.0f} | {b['decode_ms_per_pass']:.2f} ms/pass (median of "
+                f"{len(b['decode_ms_per_pass_runs'])}, spread {b['decode_spread']:.1%}; bound "
                 f"{b['bound_ms_per_pass']:.3f}) | prefill {b['prefill_ms_per_pass']:.1f} ms/pass | "
                 f"e2e {b['tokens_per_s']:,.0f} tok/s | peak {gb(b['peak_allocated_bytes'])} "
                 f"(KV {gb(b['kv_cache_bytes'])}) | sampled rows {b['vocab_rows']:,}")

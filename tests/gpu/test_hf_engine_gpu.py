@@ -70,20 +70,24 @@ def test_tiny_fp32_on_cuda_matches_generate_and_full_forward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "kernel", "sampler", "skinny", "pdl"),
+    ("overlap", "kernel", "sampler", "skinny", "pdl", "combo"),
     [
-        (False, False, False, False, False), (True, False, False, False, False),
-        (True, True, False, False, False), (True, True, True, False, False),
-        (True, True, True, True, False), (True, True, True, False, True),
+        (False, False, False, False, False, False), (True, False, False, False, False, False),
+        (True, True, False, False, False, False), (True, True, True, False, False, False),
+        (True, True, True, True, False, False), (True, True, True, False, True, False),
+        (True, True, True, False, False, True),
     ],
-    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler", "all+skinny", "all+pdl"],
+    ids=["serial", "overlap", "overlap+kernel", "overlap+kernel+sampler", "all+skinny", "all+pdl",
+         "all+combo"],
 )  # fmt: skip
 def test_cuda_graph_decode_matches_eager_decode_and_generate(
-    overlap: bool, kernel: bool, sampler: bool, skinny: bool, pdl: bool
+    overlap: bool, kernel: bool, sampler: bool, skinny: bool, pdl: bool, combo: bool
 ) -> None:
     """Ragged, staggered greedy requests with several rows aborted at once: the graph
     replays (padded buckets) give exactly the eager tokens, and ``generate``'s — also with
-    each pass queued before the previous one's tokens are read (``engine.hf.overlap``)."""
+    each pass queued before the previous one's tokens are read (``engine.hf.overlap``), and
+    with the compiled layers' independent kernels launched together (inductor's combo
+    kernels, through ``engine.hf.inductor``)."""
     model = random_qwen2("random-tiny", device="cuda", dtype="float32")
     ps = prompts(14, 512)
 
@@ -91,6 +95,7 @@ def test_cuda_graph_decode_matches_eager_decode_and_generate(
         cfg = HFEngineConfig(
             max_seq_len=512, cuda_graphs=graphs, overlap=overlap and graphs, decode_kernel=kernel,
             sample_kernel=sampler, skinny_linear=skinny, pdl=pdl and graphs,
+            inductor={"combo_kernels": True} if combo and graphs else {},
         )  # fmt: skip
         engine = HFEngine(model, cfg, max_batch_size=12, eos_ids=())
         try:

@@ -23,7 +23,7 @@ def test_the_sweep_reports_each_batch_and_where_a_pass_goes(tmp_path: Path) -> N
     out = tmp_path / "sweep.json"
     figures = run_hf_sweep(
         "random-tiny", [2, 4], max_new_tokens=6, device="cpu", dtype="float32", threads=1,
-        json_out=True, out=out, profile=True,
+        json_out=True, out=out, profile=True, timed_runs=3,
     )  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(figures))
     assert [b["batch"] for b in figures["batches"]] == [2, 4]
@@ -31,6 +31,9 @@ def test_the_sweep_reports_each_batch_and_where_a_pass_goes(tmp_path: Path) -> N
         assert b["tokens"] == b["batch"] * 6  # EOS ignored: every request its budget
         assert b["decode_passes"] > 0 and b["mean_batch"] > 0
         assert b["of_bound"] == pytest.approx(b["bound_ms_per_pass"] / b["decode_ms_per_pass"])
+        runs = b["decode_ms_per_pass_runs"]  # the figures are the median of three timed runs
+        assert len(runs) == 3 and b["decode_ms_per_pass"] == sorted(runs)[1]
+        assert b["decode_spread"] == pytest.approx((max(runs) - min(runs)) / min(runs))
         assert b["release"]["greedy_equal_after_resume"] is True
         p = b["profile"]  # the same requests once more, under the profiler
         assert p["decode_passes"] > 0 and p["wall_ms_per_pass"] > 0
@@ -58,6 +61,14 @@ def test_the_command_line_sets_each_switch_and_names_the_run_after_it(tmp_path: 
     assert figures["model"] == "random-tiny (no overlap) (eager sampler)"
     assert figures["engine_options"] == {"overlap": False, "sample_kernel": False}
     assert figures["batches"][0]["tokens"] == 8
+    assert figures["timed_runs"] == 5 and len(figures["batches"][0]["decode_ms_per_pass_runs"]) == 5
+    with pytest.raises(SystemExit):
+        main(["random-tiny", "--timed-runs", "0"])
+
+
+def test_the_sweep_refuses_no_timed_runs() -> None:
+    with pytest.raises(ValueError, match="timed_runs must be at least 1, got 0"):
+        run_hf_sweep("random-tiny", [2], max_new_tokens=2, device="cpu", timed_runs=0)
 
 
 def test_inductor_settings_reach_the_engine_and_bad_ones_are_named() -> None:

@@ -9,7 +9,8 @@ both, each run in a process of its own (nothing one run sets or compiles in memo
 to the next; inductor's on-disk cache of compiled kernels does, and warm-up runs are not
 timed). B may also set inductor's config (``--inductor KEY=VALUE``,
 such as ``combo_kernels=true``): what the compiled layers are built with, which no engine
-switch exposes. It prints each run's decode milliseconds a pass and, per batch size, the
+switch exposes. It prints each run's decode milliseconds a pass (the median of the run's
+five timed windows, ``hf_sweep --timed-runs``) and, per batch size, the
 ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
 A's own runs: a ratio within that spread is not a measured gain.
 """

@@ -2,8 +2,9 @@
 
 For each batch size ``B`` a fresh engine with ``B`` slots runs ``B`` requests that all
 decode together for ``max_new_tokens`` tokens (random prompts, EOS ignored, temperature 1):
-a warm-up run (CUDA graphs for the shapes it meets are captured there), then a timed one.
-Reported per ``B``:
+a warm-up run (CUDA graphs for the shapes it meets are captured there), then ``timed_runs``
+timed ones (5); the figures are the run of median decode time, with every run's ms a pass
+and their spread beside them. Reported per ``B``:
 
 * **tokens/s** and the **weight-read bound** beside it: a decode pass reads every weight
   once, so at best it takes ``weight bytes / bandwidth`` (``hbm_gbs``; by default the
@@ -96,9 +97,15 @@ def _peak(device: Any) -> int:
 async def measure_batch(
     lm: Any, batch: int, max_new_tokens: int, *, vocab_rows: int | None, hbm_gbs: float,
     seed: int, release: bool, engine_options: dict[str, Any], profile: bool = False,
+    timed_runs: int = 5,
 ) -> dict[str, Any]:  # fmt: skip
-    """One batch size: warm-up, timed run, release/resume (see the module docstring);
-    ``profile``: one more run under the torch profiler (:func:`_profiled`)."""
+    """One batch size: warm-up, ``timed_runs`` timed runs (the figures are the run of
+    median decode time; every run's ms a pass and their spread are kept beside them: one
+    run of 128 passes is a fifth of a second, where one stall moves the mean by 10%),
+    release/resume (see the module docstring); ``profile``: one more run under the torch
+    profiler (:func:`_profiled`)."""
+    if timed_runs < 1:
+        raise ValueError(f"timed_runs must be at least 1, got {timed_runs}")
     from tailcut.config import HFEngineConfig
     from tailcut.engine.hf import HFEngine
 
@@ -113,47 +120,31 @@ async def measure_batch(
     engine = HFEngine(lm, cfg, max_batch_size=batch, eos_ids=(), vocab_rows=vocab_rows)
     try:
         await engine_run(engine, wl, batch)  # warm-up: graphs captured for these shapes
-        c, decoder = engine.counters, engine._worker._runner.decoder
-        before = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
-                  c.generated_tokens, decoder.capture_s)  # fmt: skip
-        seconds, results = await engine_run(engine, wl, batch)
-        passes, dec_s, chunks, pre_s, generated, capture_s = (
-            now - then
-            for now, then in zip(
-                (
-                    c.decode_passes,
-                    c.decode_seconds,
-                    c.prefill_chunks,
-                    c.prefill_seconds,
-                    c.generated_tokens,
-                    decoder.capture_s,
-                ),
-                before,
-                strict=True,
-            )
-        )
-        dec_s -= capture_s
-        wbytes = weight_bytes(lm)
-        mean_batch = (generated - len(results)) / max(1, passes)  # first tokens: prefill
-        bound_pass_s = wbytes / (hbm_gbs * 1e9)
-        pass_s = dec_s / max(1, passes)
+        runs = [await _timed(engine, wl, batch) for _ in range(timed_runs)]
+        ms_runs = [1000 * r["pass_s"] for r in runs]
+        run = sorted(runs, key=lambda r: r["pass_s"])[(len(runs) - 1) // 2]  # the median
+        passes, pass_s, tokens = run["passes"], run["pass_s"], run["tokens"]
+        mean_batch = (run["generated"] - batch) / max(1, passes)  # first tokens: prefill
+        bound_pass_s = weight_bytes(lm) / (hbm_gbs * 1e9)
         figures: dict[str, Any] = {
             "batch": batch,
             "vocab_rows": engine.vocab_rows,
-            "tokens": sum(len(r.output_ids) for r in results),
-            "seconds": seconds,
-            "tokens_per_s": sum(len(r.output_ids) for r in results) / seconds,
+            "tokens": tokens,
+            "seconds": run["seconds"],
+            "tokens_per_s": tokens / run["seconds"],
             "decode_passes": passes,
             "mean_batch": mean_batch,
             "decode_ms_per_pass": 1000 * pass_s,
+            "decode_ms_per_pass_runs": ms_runs,
+            "decode_spread": (max(ms_runs) - min(ms_runs)) / min(ms_runs) if pass_s > 0 else 0.0,
             "decode_tokens_per_s": mean_batch / pass_s if pass_s > 0 else None,
             "bound_ms_per_pass": 1000 * bound_pass_s,
             "bound_tokens_per_s": mean_batch / bound_pass_s,
             "of_bound": bound_pass_s / pass_s if pass_s > 0 else None,
-            "prefill_passes": chunks,
-            "prefill_ms_per_pass": 1000 * pre_s / max(1, chunks),
-            "graph_capture_s_in_run": capture_s,
-            "graphs": decoder.graph_count,
+            "prefill_passes": run["chunks"],
+            "prefill_ms_per_pass": 1000 * run["pre_s"] / max(1, run["chunks"]),
+            "graph_capture_s_in_run": run["capture_s"],
+            "graphs": engine._worker._runner.decoder.graph_count,
             "kv_cache_bytes": engine.kv_cache_bytes[0],
             "peak_allocated_bytes": _peak(device),
         }
@@ -164,6 +155,25 @@ async def measure_batch(
     finally:
         await engine.aclose()
     return figures
+
+
+async def _timed(engine: Any, wl: Workload, batch: int) -> dict[str, Any]:
+    """One run of the workload: its wall seconds and tokens, and the engine's own decode
+    and prefill timing over it (graph captures excluded)."""
+    c, decoder = engine.counters, engine._worker._runner.decoder
+    before = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
+              c.generated_tokens, decoder.capture_s)  # fmt: skip
+    seconds, results = await engine_run(engine, wl, batch)
+    after = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
+             c.generated_tokens, decoder.capture_s)  # fmt: skip
+    passes, dec_s, chunks, pre_s, generated, capture_s = (
+        now - then for now, then in zip(after, before, strict=True)
+    )
+    return {
+        "seconds": seconds, "tokens": sum(len(r.output_ids) for r in results), "passes": passes,
+        "pass_s": (dec_s - capture_s) / max(1, passes), "chunks": chunks, "pre_s": pre_s,
+        "generated": generated, "capture_s": capture_s,
+    }  # fmt: skip
 
 
 async def _profiled(engine: Any, wl: Workload, batch: int, top: int = 200) -> dict[str, Any]:
@@ -253,7 +263,7 @@ def run_hf_sweep(
     dtype: str = "auto", hbm_gbs: float | None = None, seed: int = 0, release: bool = True,
     threads: int | None = None, json_out: bool = False, name: str | None = None,
     engine_options: dict[str, Any] | None = None, out: Path | None = None,
-    profile: bool = False,
+    profile: bool = False, timed_runs: int = 5,
 ) -> dict[str, Any]:  # fmt: skip
     """Every batch size in turn on one loaded model; prints a table (or JSON) and returns
     the figures (also written to ``out`` as JSON after each batch size, so a run cut short
@@ -277,7 +287,8 @@ def run_hf_sweep(
         "dtype": str(param.dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
-        "hbm_gbs": hbm_gbs, "max_new_tokens": max_new_tokens, "load_s": load_s,
+        "hbm_gbs": hbm_gbs, "max_new_tokens": max_new_tokens, "timed_runs": timed_runs,
+        "load_s": load_s,
         "engine_options": dict(engine_options or {}), "batches": [],
     }  # fmt: skip
     for b in batch_sizes:
@@ -286,6 +297,7 @@ def run_hf_sweep(
                 measure_batch(
                     lm, b, max_new_tokens, vocab_rows=rows, hbm_gbs=hbm_gbs, seed=seed,
                     release=release, engine_options=engine_options or {}, profile=profile,
+                    timed_runs=timed_runs,
                 )
             )
         )  # fmt: skip
@@ -383,6 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", help="what the figures call the model (default: MODEL)")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--timed-runs", type=int, default=5,
+        help="timed runs a batch size (its figures: the run of median decode time)",
+    )  # fmt: skip
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument(
@@ -400,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         "are built with (repeatable)",
     )  # fmt: skip
     a = ap.parse_args(argv)
+    if a.timed_runs < 1:
+        ap.error(f"--timed-runs must be at least 1, got {a.timed_runs}")
     try:
         inductor = inductor_settings(a.inductor)
     except ValueError as exc:
@@ -419,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     run_hf_sweep(
         a.model, a.batch, a.max_new_tokens, device=a.device, dtype=a.dtype, hbm_gbs=a.hbm_gbs,
         release=not a.no_release, name=name,
-        engine_options=options, out=a.out, profile=a.profile,
+        engine_options=options, out=a.out, profile=a.profile, timed_runs=a.timed_runs,
     )  # fmt: skip
 
 
