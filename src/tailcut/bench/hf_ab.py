@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tailcut.bench.hf_sweep import SWITCHES, inductor_settings
+from tailcut.bench.hf_sweep import SWITCHES, inductor_settings, spread
 
 SWITCH_NAMES = {flag.removeprefix("--"): flag for flag in SWITCHES}
 """``--switch`` values: :data:`hf_sweep.SWITCHES`' flags without their dashes."""
@@ -62,8 +62,7 @@ def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> lis
         rows.append({
             "batch": batch, "a_ms": sides["a"], "b_ms": sides["b"],
             "a_median_ms": med["a"], "b_median_ms": med["b"], "a_over_b": med["a"] / med["b"],
-            "a_spread": (max(sides["a"]) - min(sides["a"])) / med["a"],
-            "b_spread": (max(sides["b"]) - min(sides["b"])) / med["b"],
+            "a_spread": spread(sides["a"]), "b_spread": spread(sides["b"]),
             "a_of_bound": bound_ms / med["a"], "b_of_bound": bound_ms / med["b"],
         })  # fmt: skip
     return rows

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,7 @@ async def measure_batch(
             "mean_batch": mean_batch,
             "decode_ms_per_pass": 1000 * pass_s,
             "decode_ms_per_pass_runs": ms_runs,
-            "decode_spread": (max(ms_runs) - min(ms_runs)) / min(ms_runs) if pass_s > 0 else 0.0,
+            "decode_spread": spread(ms_runs),
             "decode_tokens_per_s": mean_batch / pass_s if pass_s > 0 else None,
             "bound_ms_per_pass": 1000 * bound_pass_s,
             "bound_tokens_per_s": mean_batch / bound_pass_s,
@@ -157,17 +158,25 @@ async def measure_batch(
     return figures
 
 
+def spread(values: list[float]) -> float:
+    """How far timings of one thing disagree: (max − min) ÷ median (0 where the median is)."""
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid > 0 else 0.0
+
+
 async def _timed(engine: Any, wl: Workload, batch: int) -> dict[str, Any]:
     """One run of the workload: its wall seconds and tokens, and the engine's own decode
     and prefill timing over it (graph captures excluded)."""
     c, decoder = engine.counters, engine._worker._runner.decoder
-    before = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
-              c.generated_tokens, decoder.capture_s)  # fmt: skip
+
+    def read() -> tuple[float, ...]:
+        return (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
+                c.generated_tokens, decoder.capture_s)  # fmt: skip
+
+    before = read()
     seconds, results = await engine_run(engine, wl, batch)
-    after = (c.decode_passes, c.decode_seconds, c.prefill_chunks, c.prefill_seconds,
-             c.generated_tokens, decoder.capture_s)  # fmt: skip
     passes, dec_s, chunks, pre_s, generated, capture_s = (
-        now - then for now, then in zip(after, before, strict=True)
+        now - then for now, then in zip(read(), before, strict=True)
     )
     return {
         "seconds": seconds, "tokens": sum(len(r.output_ids) for r in results), "passes": passes,
