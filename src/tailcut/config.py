@@ -110,10 +110,11 @@ class HFEngineConfig(_Model):
     columns, captured on first use); the KV cache is then allocated at full capacity up
     front. Ignored on CPU."""
     compile_layers: bool | None = None
-    """Decode passes run each decoder layer compiled (``torch.compile``: its norms, rotary
-    embeddings and activations fused), the KV-cache write and attention eager
-    (``hf/compiled.py``); compiling takes seconds to a minute over the first passes.
-    None: where decode passes replay CUDA graphs (on CUDA with ``cuda_graphs``)."""
+    """Decode passes run the text model's forward compiled as one graph (``torch.compile``:
+    its norms, rotary embeddings, activations and residual adds fused, across layers too),
+    attention the engine's opaque operator in it (``hf/compiled.py``); compiling takes
+    seconds to a minute over the first passes. None: where decode passes replay CUDA
+    graphs (on CUDA with ``cuda_graphs``)."""
     fuse_projections: bool | None = None
     """In the engine's passes, each attention layer's q/k/v projections run as one GEMM
     and each gated MLP's gate/up projections as one (their weights laid end to end, the
@@ -149,25 +150,25 @@ class HFEngineConfig(_Model):
     an error."""
     pdl: bool | None = None
     """Programmatic dependent launch (Hopper and later, compute capability 9+): decode
-    passes launch the compiled layers' kernels (inductor's ``triton.enable_pdl``) and the
-    decode-attention kernel so that each one's blocks are scheduled while the kernel before
-    it drains, and wait on the device for its outputs (``griddepcontrol.wait``) before
-    reading them: the gap between two kernels of a replayed pass shrinks. Tokens are the
-    same either way. None: off (undecided: 0.5B bf16 at batch 64 on an H100, two A/Bs in
+    passes launch the compiled decode forward's kernels (inductor's
+    ``triton.enable_pdl``) and the decode-attention kernel so that each one's blocks are
+    scheduled while the kernel before it drains, and wait on the device for its outputs
+    (``griddepcontrol.wait``) before reading them: the gap between two kernels of a
+    replayed pass shrinks. Tokens are the same either way. None: off (undecided: 0.5B bf16 at batch 64 on an H100, two A/Bs in
     one session gave A ÷ B 1.010 and 1.116 with runs spread 1.01–1.32 ms a pass on both
     sides; ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` measures it against the
     defaults); true on another device is an error."""
     inductor: dict[str, Any] = Field(default_factory=dict)
-    """Settings of ``torch._inductor.config`` the compiled decoder layers are compiled
+    """Settings of ``torch._inductor.config`` the compiled decode forward is compiled
     with (``compile_layers``), as a serving engine's inductor compile config: dotted or
     nested keys, such as ``combo_kernels: true`` or ``triton.max_tiles: 2``. They hold on
-    the thread of the decode passes that compile the layers; inductor's compile workers in
+    the thread of the decode passes that compile it; inductor's compile workers in
     other processes get only part of its settings, so settings of that pool itself
     (``compile_threads``) do not take effect. Empty: inductor's own defaults, which is what
     the engine's figures were measured with; ``python -m tailcut.bench.hf_ab MODEL
     --inductor KEY=VALUE`` times one against them. A key inductor lacks or keeps private,
     ``triton.enable_pdl`` (``pdl`` sets it), a value of a type the setting does not take,
-    or settings where the layers are not compiled are errors when the engine starts."""
+    or settings where the decode forward is not compiled are errors when the engine starts."""
     admit_min_rows: int = Field(8, ge=1, le=4096)
     """While requests decode, waiting requests are admitted once this many can be
     prefilled together (or after ``admit_max_wait`` decode passes): a prefill is a forward

@@ -119,3 +119,33 @@ def assert_inverse_cdf_draws(logp: Any, uniform: Any, tokens: Any, tolerance: fl
         hi = float(cdf[row, tok])
         assert lo - tolerance <= u <= hi + tolerance, (row, tok, lo, u, hi)
         assert math.isfinite(float(logp[row, tok])), (row, tok)
+
+
+def decode_call(
+    keys: Any, values: Any, query: Any, new: Any, ends: Any, *, kernel: bool = False, **kw: Any
+) -> tuple[Any, Any, Any]:
+    """One layer's attention call of a decode pass, as a model makes it, on a real slot
+    cache holding ``keys``/``values [rows, kv_heads, columns, d]``: the layer hands its
+    new keys and values (``new [2, rows, kv_heads, d]``) to the engine's attention, which
+    stores them at each row's ``ends`` column and attends over the row's columns.
+    ``kw``: the layer's ``sliding_window``/``softcap``. Returns ``(out [rows, 1, heads,
+    d], the pass's masks, the cache)``."""
+    import torch
+
+    from tailcut.engine.hf.attention import SlotMasks, attending, slot_attention
+    from tailcut.engine.hf.cache import KVShape, SlotKVCache
+
+    rows, kv_heads, columns, dim = keys.shape
+    shape = KVShape(1, kv_heads, dim, rows, columns, keys.dtype, keys.device)
+    cache = SlotKVCache(shape, initial_columns=columns)
+    cache.buf[0, 0].copy_(keys)
+    cache.buf[0, 1].copy_(values)
+    width = int(ends.max()) + 1
+    cache.begin_decode(ends, width)
+    masks = SlotMasks.decode(ends, width, keys.dtype)
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    with attending(masks, cache=cache, kernel=kernel):
+        k, v = cache.update(new[0][:, :, None], new[1][:, :, None], 0)
+        out, _ = slot_attention(layer, query, k, v, None, **kw)
+    return out, masks, cache

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from fakes.hf_runs import (  # noqa: E402
+    decode_call,
     fixed_request,
     full_forward_logits,
     hf_greedy,
@@ -30,7 +31,6 @@ from tailcut.engine.hf import decode_attention as kernel_module  # noqa: E402
 from tailcut.engine.hf.attention import (  # noqa: E402
     SlotMasks,
     attending,
-    defer_store,
     slot_attention,
 )
 from tailcut.engine.hf.decode_attention import decode_attention  # noqa: E402
@@ -132,49 +132,52 @@ def test_the_kernel_stores_the_new_keys_and_values_as_it_reads_them(
         decode_attention(query, key, value, ends, scale=0.3, new=new[:, :2])
 
 
-def test_a_store_left_to_a_call_the_kernel_cannot_take_runs_before_the_masked_path() -> None:
-    """The slot cache leaves a layer's store to its attention call only in a kernel pass;
-    a call the kernel cannot take (here a head size over its limit) stores first, so the
-    masked path reads the new column."""
-    stored: list[int] = []
-    kv = torch.zeros(2, 2, 1, 4)
-    masks = SlotMasks.decode(torch.tensor([1, 2]), 3, torch.float32)
-    with attending(masks):
-        assert defer_store(kv, lambda: stored.append(1)) is False  # kernel off: stores now
+def test_a_decode_call_the_kernel_cannot_take_stores_before_the_masked_path() -> None:
+    """With the kernel on, a layer it cannot take (here a head size over its limit) runs
+    the indexed store and the masked path, which reads the new column."""
     dim = kernel_module.MAX_HEAD_DIM + 16
-    key = torch.zeros(2, 1, 3, dim)
-    with attending(masks, kernel=True):
-        assert defer_store(kv, lambda: (stored.append(2), key[:, :, 2].fill_(1.0))) is True
-        assert stored == [] and masks.pending is not None
-        query = torch.ones(2, 2, 1, dim)
-        out, _ = slot_attention(torch.nn.Identity(), query, key, key.clone().normal_(), None)
-    assert stored == [2] and masks.pending is None and out.shape == (2, 1, 2, dim)
-    assert torch.equal(key[0, :, 2], torch.ones(1, dim))  # the store ran
+    keys, values = torch.zeros(2, 2, 1, 4, dim)
+    new = torch.ones(2, 2, 1, dim)
+    query = torch.ones(2, 2, 1, dim)
+    out, masks, cache = decode_call(keys, values, query, new, torch.tensor([1, 2]), kernel=True)
+    assert out.shape == (2, 1, 2, dim) and masks.calls == 1
+    assert torch.equal(cache.buf[0, :, 0, :, 1], new[:, 0]) and torch.equal(
+        cache.buf[0, :, 1, :, 2], new[:, 1]
+    )  # the store ran
+    assert float(out[1].sum()) > 0  # and the masked path read it (the rest is zeros)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 4.0)])
-def test_slot_attention_runs_the_kernel_in_a_decode_pass_and_matches_the_mask(
-    window: int | None, softcap: float | None
+def test_a_decode_call_runs_the_kernel_and_matches_the_masked_path(
+    window: int | None, softcap: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    ran: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        ran.append(1)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "decode_attention", counted)
     gen = torch.Generator().manual_seed(2)
-    rows, width, dim = 5, 24, 16
-    cache = torch.randn(rows, 2, 2, 40, dim, generator=gen)
-    key, value = cache[:, :, 0, :width], cache[:, :, 1, :width]
+    rows, columns, dim = 5, 40, 16
+    keys, values = torch.randn(2, rows, 2, columns, dim, generator=gen)
     query = torch.randn(rows, 6, 1, dim, generator=gen)
-    masks = SlotMasks.decode(torch.tensor([3, 23, 0, 11, 17]), width, torch.float32)
-    assert masks.ends is not None and masks.ends.dtype == torch.int32  # cast once a pass
+    new = torch.randn(2, rows, 2, dim, generator=gen)
+    ends = torch.tensor([3, 23, 0, 11, 17])
     kw = {"sliding_window": window, "softcap": softcap}
-    with attending(masks):
-        eager, _ = slot_attention(torch.nn.Identity(), query, key, value, None, **kw)
-    with attending(masks, kernel=True):
-        kernel, _ = slot_attention(torch.nn.Identity(), query, key, value, None, **kw)
-    assert masks.calls == 2
+    eager, _, stored = decode_call(keys, values, query, new, ends, **kw)
+    assert ran == []
+    kernel, masks, cache = decode_call(keys, values, query, new, ends, kernel=True, **kw)
+    assert ran == [1]
+    assert masks.ends is not None and masks.ends.dtype == torch.int32  # cast once a pass
     torch.testing.assert_close(kernel, eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.buf, stored.buf)  # the kernel stored what the indexed store did
     # a prefill pass has no per-row ends: the kernel flag leaves it on the masked path
     pre = SlotMasks.prefill(torch.tensor([4, 2]), 4, torch.float32)
     with attending(pre, kernel=True):
         q4 = torch.randn(2, 6, 4, dim, generator=gen)
-        out, _ = slot_attention(torch.nn.Identity(), q4, key[:2, :, :4], value[:2, :, :4], None)
+        k4, v4 = keys[:2, :, :4], values[:2, :, :4]
+        out, _ = slot_attention(torch.nn.Identity(), q4, k4, v4, None)
     assert out.shape == (2, 4, 6, dim) and pre.calls == 1
 
 

@@ -75,7 +75,7 @@ def test_inductor_settings_reach_the_engine_and_bad_ones_are_named() -> None:
     """``--inductor KEY=VALUE`` becomes ``engine.hf.inductor``: on CPU, where the layers are
     not compiled, the engine refuses it (so it got there); the pairs are read as JSON and
     checked against inductor's own settings before any model loads."""
-    with pytest.raises(ValueError, match=r"engine\.hf\.inductor is set but the decoder layers"):
+    with pytest.raises(ValueError, match=r"engine\.hf\.inductor is set but the decode forward"):
         main([
             "random-tiny", "--batch", "2", "--max-new-tokens", "4", "--device", "cpu",
             "--no-release", "--inductor", "combo_kernels=true",

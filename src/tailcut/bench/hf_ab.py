@@ -8,7 +8,7 @@ the same code). ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` runs the ba
 both, each run in a process of its own (nothing one run sets or compiles in memory carries
 to the next; inductor's on-disk cache of compiled kernels does, and warm-up runs are not
 timed). B may also set inductor's config (``--inductor KEY=VALUE``,
-such as ``combo_kernels=true``): what the compiled layers are built with, which no engine
+such as ``combo_kernels=true``): what the compiled decode forward is built with, which no engine
 switch exposes. It prints each run's decode milliseconds a pass (the median of the run's
 five timed windows, ``hf_sweep --timed-runs``) and, per batch size, the
 ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
@@ -97,7 +97,9 @@ def run_ab(
         )
     inductor_settings(list(inductor))  # refused here, before any run
     if inductor and device == "cpu":
-        raise ValueError("--inductor needs compiled layers, which the sweep compiles on CUDA only")
+        raise ValueError(
+            "--inductor needs the compiled decode forward, which the sweep compiles on CUDA only"
+        )
     if rounds < 2:
         raise ValueError(f"--rounds {rounds}: at least 2 (a side's spread needs two runs)")
     out_dir.mkdir(parents=True, exist_ok=True)

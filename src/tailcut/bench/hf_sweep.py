@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument(
         "--inductor", action="append", default=[], metavar="KEY=VALUE",
-        help="engine.hf.inductor: a torch._inductor.config setting the compiled layers "
+        help="engine.hf.inductor: a torch._inductor.config setting the compiled decode forward "
         "are built with (repeatable)",
     )  # fmt: skip
     a = ap.parse_args(argv)

@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 
-from tailcut.engine.hf import attention
-
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
@@ -183,13 +181,10 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._prefill:
             return self._write_prefill(key_states, value_states, layer_idx)
-        # A decode pass writes each row's new key and value with one indexed store: stacked
-        # here — inside a compiled layer (``hf/compiled.py``) the stack is the output of
-        # the kernel that computes the keys' rotary embedding — and stored by the eager
-        # ``_write_decode`` (a compiled in-place store into the cache becomes a copy).
-        return self._write_decode(
-            torch.stack((key_states[:, :, 0], value_states[:, :, 0])), layer_idx
-        )
+        # A decode pass's keys and values are stored by its attention operator
+        # (``hf/attention.py``, :meth:`decode_layer`): returned here as they came, so a
+        # compiled decode forward neither breaks here nor writes into the cache itself.
+        return key_states, value_states
 
     @torch.compiler.disable
     def _write_prefill(
@@ -204,22 +199,20 @@ class SlotKVCache:
             return key_states, value_states
         return layer[0, lo:hi, :, :end], layer[1, lo:hi, :, :end]
 
-    @torch.compiler.disable
-    def _write_decode(self, kv: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv [2, rows, kv_heads, head_dim]``: each row's new key and value, stored at
-        its column (one ``index_copy_``: ``begin_decode`` made the targets) — or, where the
-        pass runs the decode kernel, by that kernel as it reads them; returns the keys and
-        values the pass attends over."""
-        layer = self.buf[layer_idx]
-        dim, targets = self.shape.head_dim, self._targets
-
-        def store() -> None:
-            layer.view(2, -1, dim).index_copy_(1, targets, kv.reshape(2, -1, dim))
-
-        if not attention.defer_store(kv, store):  # else the decode kernel stores them
-            store()
-        width = self._width
-        return layer[0, : self._rows, :, :width], layer[1, : self._rows, :, :width]
+    def decode_layer(
+        self, kv: torch.Tensor, layer: int, *, store: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode pass's keys and values of ``layer`` (views of its first rows' columns
+        up to the pass's width), with each row's new key and value (``kv [2, rows,
+        kv_heads, head_dim]``) stored at its column first where ``store`` (one
+        ``index_copy_``: ``begin_decode`` made the targets; the decode kernel stores them
+        itself as it reads them)."""
+        buf = self.buf[layer]
+        if store:
+            dim = self.shape.head_dim
+            buf.view(2, -1, dim).index_copy_(1, self._targets, kv.reshape(2, -1, dim))
+        rows, width = self._rows, self._width
+        return buf[0, :rows, :, :width], buf[1, :rows, :, :width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._width

@@ -1,27 +1,25 @@
-"""Decoder layers compiled for decode passes, the cache write and attention left eager.
+"""The text model's decode forward compiled as one graph, attention an opaque operator in it.
 
 A decode pass of a small model is a long row of small kernels: per layer the model's own
 code launches its norms, rotary embeddings, activations and residual adds one elementwise
 kernel at a time (about 30 beside the GEMMs and attention), and each costs its launch on
-the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compiles each
-decoder layer's own ``forward`` (``torch.compile``, inductor, dynamic batch) so that those
-run as a few fused kernels — and so the two modules a pass runs once around the layers,
-the rotary embedding and the final norm (:func:`around_layers`) — and leaves eager the
-two places the engine owns:
+the GPU whether the batch holds 1 row or 256. ``engine.hf.compile_layers`` compiles the
+forward of the text model that holds the decoder layers (``torch.compile``, inductor,
+dynamic batch): the rotary embedding, every layer and the final norm are one graph, so
+inductor fuses across the ops the model's code writes one at a time — the residual add
+that ends a layer with the norm that starts the next one, the rotary embedding with the
+stack of the new keys and values — as a serving engine's fused add-and-norm does.
 
-* the slot cache's store (an in-place write at each row's column: compiled, inductor
-  turns it into a copy of the layer's whole cache), and
-* the attention function (``hf/attention.py``: it reads the pass's masks from its thread).
-
-Both are ``torch.compiler.disable``-d, so the compiled layer stops before them and resumes
-after — the piecewise split serving engines make at attention. The stop is made inside the
-cache's own ``update`` (dynamo's nested graph breaks, where the torch has them): the new
-keys and values are stacked in the kernel that computes the keys' rotary embedding, and
-one eager indexed store writes both (``hf/cache.py``). Prefill passes (variable
-prompt widths, eager) run the layer's uncompiled ``forward``; decode passes — replayed
-from CUDA graphs, whose capture records the compiled kernels as any others — run the
-compiled one. The layers' code, and so every family's arithmetic, stays the model's own;
-only the fusion differs (float rounding within a fused kernel). With
+Attention is the one op of that graph the engine owns: ``torch.ops.tailcut.slot_decode``
+(``hf/attention.py``), opaque to the compiler, which stores the layer's new keys and values
+and attends over each row's columns, reaching the cache through the pass active on its
+thread. The graph sees neither the cache nor its writes, so it neither breaks at attention
+(the piecewise split serving engines make for their CUDA graphs is not needed: the engine
+captures the whole pass) nor turns the in-place store into a copy of the cache. Prefill
+passes (variable prompt widths, eager) run the module's uncompiled ``forward``; decode
+passes — replayed from CUDA graphs, whose capture records the compiled kernels as any
+others — run the compiled one. The layers' code, and so every family's arithmetic, stays
+the model's own; only the fusion differs (float rounding within a fused kernel). With
 ``engine.hf.fuse_projections`` the q/k/v and gate/up projections inside are one GEMM each
 (``hf/fused.py``).
 """
@@ -53,21 +51,15 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return best
 
 
-def around_layers(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The text model's own modules a decode pass runs once around its ``layers`` (its
-    :func:`decoder_layers`): the rotary embedding (``*RotaryEmbedding``: positions to
-    cos/sin, ~8 eager kernels) and the final norm (``norm``: ~6) — children of the module
-    that holds the layers."""
+def text_model(model: Any) -> torch.nn.Module:
+    """The module whose children hold ``model``'s :func:`decoder_layers` (``model.model``
+    in most families): its forward runs the embedding, the rotary embedding, the layers
+    and the final norm."""
+    layers = decoder_layers(model)
     for owner in model.modules():
-        children = dict(owner.named_children())
-        if any(isinstance(c, torch.nn.ModuleList) and list(c) == layers for c in children.values()):
-            return [
-                c
-                for name, c in children.items()
-                if type(c).__name__.endswith("RotaryEmbedding")
-                or (name == "norm" and type(c).__name__.endswith("Norm"))
-            ]
-    return []
+        if any(isinstance(c, torch.nn.ModuleList) and list(c) == layers for c in owner.children()):
+            return typing.cast(torch.nn.Module, owner)
+    raise AssertionError("decoder layers without a parent module")  # found among modules()
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -107,7 +99,8 @@ def inductor_options(settings: Mapping[str, Any]) -> dict[str, Any]:
     """``settings`` (``engine.hf.inductor``, nested or dotted: ``combo_kernels``,
     ``triton.max_tiles``) checked as ``torch._inductor.config`` settings: a public key
     inductor has, other than ``triton.enable_pdl`` (``engine.hf.pdl`` sets it, where the
-    device has it), with a value of a type the setting takes (an int for a float). Returns
+    device has it) and ``triton.cudagraphs`` (the engine's own graphs capture the pass),
+    with a value of a type the setting takes (an int for a float). Returns
     them dotted; raises ``ValueError`` naming the first that is not."""
     import torch._inductor.config as inductor
 
@@ -119,6 +112,12 @@ def inductor_options(settings: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 "engine.hf.inductor.triton.enable_pdl: set engine.hf.pdl instead (it checks "
                 "the device can launch them)"
+            )
+        if key == "triton.cudagraphs":
+            raise ValueError(
+                "engine.hf.inductor.triton.cudagraphs: the engine captures each decode pass "
+                "in a CUDA graph of its own (engine.hf.cuda_graphs); inductor's would freeze "
+                "the pass the attention operator reads at its first run"
             )
         if key not in known or key.split(".")[-1].startswith("_"):
             raise ValueError(f"engine.hf.inductor: torch._inductor.config has no {key!r}")
@@ -132,46 +131,30 @@ def inductor_options(settings: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-class CompiledLayers:
-    """Gives each decoder layer of ``model`` a compiled ``forward`` that runs within
+class CompiledForward:
+    """Gives ``model``'s :func:`text_model` a compiled ``forward`` that runs within
     :meth:`decoding` blocks on the thread that opened them (any other call — a prefill,
-    the model's own ``generate`` — runs the layer's own); :meth:`close` undoes it.
-    ``pdl``: the kernels are compiled with programmatic dependent launch
-    (``engine.hf.pdl``); ``inductor``: settings of inductor's config they are compiled with
+    the model's own ``generate`` — runs its own); :meth:`close` undoes it. ``pdl``: the
+    kernels are compiled with programmatic dependent launch (``engine.hf.pdl``);
+    ``inductor``: settings of inductor's config they are compiled with
     (``engine.hf.inductor`` as :func:`inductor_options` returns it: checked, dotted)."""
 
     def __init__(
         self, model: Any, *, pdl: bool = False, inductor: Mapping[str, Any] | None = None
     ) -> None:
-        self.layers = decoder_layers(model)
+        self.module = text_model(model)
         self._inductor = dict(inductor or {})
         self._pdl = pdl
         self._local = threading.local()
-        # Each layer's attention passes its own index to the (eager) cache write, a
-        # constant dynamo guards on: one entry per layer and shape class (batch 1 or more)
-        # of the same code. Let them all compile rather than fall back to eager after 8
-        # (dynamo's limits are per thread: set for each pass, on the thread running it).
-        self._limits = {
-            "recompile_limit": 4 * len(self.layers),
-            "accumulated_recompile_limit": 32 * len(self.layers),
-        }
-        self.modules = self.layers + around_layers(model, self.layers)
-        for module in self.modules:
-            eager = module.forward
-            compiled = torch.compile(eager, dynamic=True)
-            module.forward = self._switch(eager, compiled)
+        eager = self.module.forward
+        compiled = torch.compile(eager, dynamic=True)
+        self.module.forward = self._switch(eager, compiled)
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        dynamo = torch._dynamo.config
-        limits = {k: max(v, getattr(dynamo, k)) for k, v in self._limits.items()}
-        if hasattr(dynamo, "nested_graph_breaks"):
-            # the break at the cache write resumes inside the attention function, so the
-            # layer's first graph runs up to the write itself (``hf/cache.py``)
-            limits["nested_graph_breaks"] = True
         self._local.on = True
         try:
-            with dynamo.patch(**limits), self._launches():
+            with self._launches():
                 yield
         finally:
             self._local.on = False
@@ -201,6 +184,5 @@ class CompiledLayers:
         return forward
 
     def close(self) -> None:
-        for module in self.modules:
-            if "forward" in vars(module):
-                del module.forward
+        if "forward" in vars(self.module):
+            del self.module.forward

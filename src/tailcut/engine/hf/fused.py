@@ -10,7 +10,7 @@ shapes, in-place weight updates (``update_weights`` writes through the views) an
 ``parameters()`` are unchanged. In the engine's passes the first member a layer calls
 computes the whole group's GEMM once and keeps it; each other member takes its columns of
 it when it is called on the same input tensor (the identity is checked: any other input
-computes its own), and the last one drops it. Inside a compiled decoder layer
+computes its own), and the last one drops it. Inside the compiled decode forward
 (``hf/compiled.py``) the same code traces to one GEMM and the slices, which inductor fuses
 into the next elementwise kernel (the MLP's ``act(gate) * up``).
 

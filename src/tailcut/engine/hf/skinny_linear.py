@@ -14,7 +14,7 @@ dtype. Wider batches, and weights past :data:`MAX_IN` or :data:`MAX_OUT`, go to
 (0.65–0.88x), and no gain in a whole decode pass — both sides take 3–4 us where reading
 the weight takes under 1, a replayed kernel's launch and one chain of loads.
 
-The op is registered with torch (``tailcut::skinny_linear``), so a compiled decoder layer
+The op is registered with torch (``tailcut::skinny_linear``), so the compiled decode forward
 calls it as one opaque kernel and a CUDA graph records it as any other. Off by default.
 """
 
@@ -45,7 +45,7 @@ BLOCK_K = 128
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` runs the kernel for this call (else ``F.linear``): shapes and
-    dtypes only, so a compiled layer traces it to guards (where Triton runs is the
+    dtypes only, so the compiled forward traces it to guards (where Triton runs is the
     setting's to check: ``triton_runs.kernel_for``)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (

@@ -25,7 +25,7 @@ import torch
 from tailcut.engine.hf import attention
 from tailcut.engine.hf.attention import SlotMasks
 from tailcut.engine.hf.cache import SlotKVCache
-from tailcut.engine.hf.compiled import CompiledLayers
+from tailcut.engine.hf.compiled import CompiledForward
 from tailcut.engine.hf.fused import FusedProjections
 from tailcut.engine.hf.graphs import DecodeStep, HostStage, prefill_shape
 from tailcut.engine.hf.records import Live
@@ -105,7 +105,7 @@ class PassRunner:
         except ValueError as exc:
             raise UnsupportedModel(describe(model.config, type(model).__name__), str(exc)) from None
         self._fused: FusedProjections | None = None
-        self._compiled: CompiledLayers | None = None
+        self._compiled: CompiledForward | None = None
         try:
             self._fused = (
                 FusedProjections(model, skinny=skinny_linear)
@@ -113,7 +113,7 @@ class PassRunner:
                 else None
             )
             self._compiled = (
-                CompiledLayers(model, pdl=pdl, inductor=inductor) if compile_layers else None
+                CompiledForward(model, pdl=pdl, inductor=inductor) if compile_layers else None
             )
         except BaseException as exc:
             if self._fused is not None:
@@ -152,9 +152,11 @@ class PassRunner:
             else contextlib.nullcontext()
         )
         fusing = fused.active() if fused is not None else contextlib.nullcontext()
-        kernel = self._decode_kernel and self._cache.decoding
+        passing = attention.attending(
+            masks, cache=self._cache, kernel=self._decode_kernel, pdl=self._pdl
+        )
         try:
-            with attention.attending(masks, kernel=kernel, pdl=self._pdl), compiled, fusing:
+            with passing, compiled, fusing:
                 result = self._model(
                     input_ids=ids,
                     position_ids=pos,
@@ -205,11 +207,15 @@ class PassRunner:
                     ]
                 finally:
                     self._local.last = None
+                # decode inputs from the engine's own input buffer, as its passes take
+                # them: a compiled decode forward (``hf/compiled.py``) then guards on
+                # tensors of one kind and compiles once for both
+                inputs = self._stage.longs[:1]
                 for end in range(tokens, tokens + steps):
-                    ends = seq.new_tensor([end])
-                    self._cache.begin_decode(ends, end + 1)
-                    step = SlotMasks.decode(ends, end + 1, dtype)
-                    got.append(self._forward(seq[:, end : end + 1], ends[:, None], step))
+                    inputs[0, 0], inputs[0, 1] = end, seq[0, end]
+                    self._cache.begin_decode(inputs[:, 0], end + 1)
+                    step = SlotMasks.decode(inputs[:, 0], end + 1, dtype)
+                    got.append(self._forward(inputs[:, 1:], inputs[:, :1], step))
                 want = self._model(input_ids=seq, use_cache=False).logits[0, tokens - 1 :]
         except Exception as exc:
             raise UnsupportedModel(

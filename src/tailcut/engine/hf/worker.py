@@ -76,7 +76,7 @@ class SlotWorker:
         }  # fmt: skip
         if cfg.inductor and not switches["compile_layers"]:
             raise ValueError(
-                "engine.hf.inductor is set but the decoder layers are not compiled "
+                "engine.hf.inductor is set but the decode forward is not compiled "
                 f"(engine.hf.compile_layers={cfg.compile_layers}, CUDA graphs "
                 f"{'on' if graphs else 'off'}): set compile_layers to true, or drop it"
             )
