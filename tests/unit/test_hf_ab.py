@@ -4,10 +4,12 @@ summary's arithmetic, the bad input it refuses, and two real sweeps on CPU."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import tailcut
 from tailcut.bench.hf_ab import main, run_ab, summarize
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,6 +48,8 @@ def test_an_unknown_switch_or_no_round_is_refused_before_any_run(tmp_path: Path)
         run_ab("random-tiny", ["pdl"], tmp_path, batches=[2], rounds=1)
     with pytest.raises(ValueError, match=r"torch\._inductor\.config has no 'turbo'"):
         run_ab("random-tiny", [], tmp_path, batches=[2], inductor=["turbo=1"])
+    with pytest.raises(ValueError, match=r"--a-src .*: no tailcut package there"):
+        run_ab("random-tiny", [], tmp_path, batches=[2], a_src=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -76,3 +80,24 @@ def test_real_sweeps_alternate_and_the_summary_reads_their_files(tmp_path: Path)
     assert row["batch"] == 2 and row["a_ms"] == a_ms and row["b_ms"] == b_ms
     assert row["a_over_b"] == pytest.approx((sum(a_ms) / 2) / (sum(b_ms) / 2))
     assert all(run["batches"][0]["tokens"] == 8 for run in a + b)
+
+
+@pytest.mark.slow
+def test_a_runs_another_source_tree_with_a_src(tmp_path: Path) -> None:
+    """``--a-src``: A's sweeps import tailcut from the tree given (here a copy of this
+    one), B's from this one; a tree whose runs would import another copy is refused."""
+    here = Path(tailcut.__file__).resolve().parent
+    before = tmp_path / "before" / "src"
+    shutil.copytree(here, before / "tailcut", ignore=shutil.ignore_patterns("__pycache__"))
+    figures = run_ab(
+        "random-tiny", [], tmp_path / "ab", batches=[2], max_new_tokens=4, device="cpu",
+        dtype="float32", a_src=before,
+    )  # fmt: skip
+    assert figures["a_source"] == str(before.resolve() / "tailcut")
+    assert figures["b_source"] == str(here)
+    assert figures["order"] == ["A1", "B1", "B2", "A2"] and len(figures["batches"]) == 1
+    shadowed = tmp_path / "shadowed"
+    (shadowed / "tailcut").mkdir(parents=True)
+    (shadowed / "tailcut" / "__init__.py").write_text("raise ImportError('broken copy')\n")
+    with pytest.raises(ValueError, match=r"--a-src .*shadowed: a run there imports tailcut"):
+        run_ab("random-tiny", [], tmp_path / "ab2", batches=[2], a_src=shadowed)

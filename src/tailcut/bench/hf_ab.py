@@ -9,7 +9,9 @@ both, each run in a process of its own (nothing one run sets or compiles in memo
 to the next; inductor's on-disk cache of compiled kernels does, and warm-up runs are not
 timed). B may also set inductor's config (``--inductor KEY=VALUE``,
 such as ``combo_kernels=true``): what the compiled decode forward is built with, which no engine
-switch exposes. It prints each run's decode milliseconds a pass (the median of the run's
+switch exposes. With ``--a-src DIR`` A's runs import tailcut from another source tree
+(``git worktree add /tmp/before REV``, then ``--a-src /tmp/before/src``): a code change
+A/B'd as a switch is, B being the tree that runs ``hf_ab``. It prints each run's decode milliseconds a pass (the median of the run's
 five timed windows, ``hf_sweep --timed-runs``) and, per batch size, the
 ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
 A's own runs: a ratio within that spread is not a measured gain.
@@ -18,6 +20,7 @@ A's own runs: a ratio within that spread is not a measured gain.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -68,9 +71,9 @@ def summarize(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> lis
     return rows
 
 
-def _sweep(cmd: list[str], label: str, timeout_s: float) -> None:
+def _sweep(cmd: list[str], label: str, timeout_s: float, src: Path | None = None) -> None:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env(src))
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"run {label} took over {timeout_s:.0f} s: {' '.join(cmd)}") from exc
     if done.returncode != 0:
@@ -78,23 +81,48 @@ def _sweep(cmd: list[str], label: str, timeout_s: float) -> None:
         raise RuntimeError(f"run {label} exited {done.returncode}: {' '.join(cmd)}\n{tail}")
 
 
+def _env(src: Path | None) -> dict[str, str] | None:
+    """The environment of a run that imports tailcut from ``src`` (None: this one's)."""
+    if src is None:
+        return None
+    path = os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def _check_source(src: Path) -> None:
+    """That a run given ``src`` imports tailcut from there (not an installed copy)."""
+    cmd = [sys.executable, "-c", "import tailcut; print(tailcut.__file__)"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=60)
+    got = Path(done.stdout.strip()).resolve() if done.returncode == 0 else None
+    if got is None or not got.is_relative_to(src):
+        raise ValueError(f"--a-src {src}: a run there imports tailcut from {got}, not from it")
+
+
 def run_ab(
     model: str, switches: list[str], out_dir: Path, *, batches: list[int], rounds: int = 2,
     max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto",
     hbm_gbs: float | None = None, timeout_s: float = 600.0, inductor: Sequence[str] = (),
+    a_src: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A (the defaults) and B (``switches``, names of :data:`SWITCH_NAMES`, and
     ``inductor``, ``KEY=VALUE`` settings of inductor's config) alternated ``rounds`` times
     on ``model`` (a directory or a ``random-*`` name); each run's figures go to
     ``out_dir/a{i}.json`` / ``b{i}.json``, the summary to ``out_dir/ab.json``. Raises
-    ``ValueError`` for an unknown switch or setting, or neither given, ``RuntimeError``
-    naming the run that failed or overran ``timeout_s``."""
+    ``ValueError`` for an unknown switch or setting, or none given, ``RuntimeError``
+    naming the run that failed or overran ``timeout_s``. ``a_src``: the source tree (the
+    folder holding the ``tailcut`` package) A's runs import tailcut from (checked before
+    the first run); the sweeps' figures name the tree they ran (``source``)."""
     unknown = [s for s in switches if s not in SWITCH_NAMES]
-    if unknown or not (switches or inductor):
+    if unknown or not (switches or inductor or a_src):
         raise ValueError(
             f"--switch {' '.join(unknown) or '(none)'}: name one or more of "
-            f"{', '.join(SWITCH_NAMES)} (or an --inductor setting)"
+            f"{', '.join(SWITCH_NAMES)} (or an --inductor setting, or --a-src)"
         )
+    if a_src is not None:
+        a_src = a_src.resolve()
+        if not (a_src / "tailcut" / "__init__.py").is_file():
+            raise ValueError(f"--a-src {a_src}: no tailcut package there (give its src folder)")
+        _check_source(a_src)
     inductor_settings(list(inductor))  # refused here, before any run
     if inductor and device == "cpu":
         raise ValueError(
@@ -117,15 +145,18 @@ def run_ab(
         sides = (("a", []), ("b", b_args)) if i % 2 else (("b", b_args), ("a", []))
         for side, extra in sides:
             path = out_dir / f"{side}{i}.json"
-            _sweep([*base, *extra, "--out", str(path)], f"{side.upper()}{i}", timeout_s)
+            src = a_src if side == "a" else None
+            _sweep([*base, *extra, "--out", str(path)], f"{side.upper()}{i}", timeout_s, src)
             runs[side].append(json.loads(path.read_text(encoding="utf-8")))
             order.append(f"{side.upper()}{i}")
         first = runs["a"][0]
         figures = {  # after each round, so that a run cut short keeps its rounds
             "model": model, "card": first["card"], "device": first["device"],
+            "a_src": str(a_src) if a_src is not None else None,
             "dtype": first["dtype"], "switches": switches, "inductor": list(inductor),
             "rounds": i, "max_new_tokens": max_new_tokens, "hbm_gbs": first["hbm_gbs"],
             "order": order, "b_engine_options": runs["b"][0]["engine_options"],
+            "a_source": runs["a"][0].get("source"), "b_source": runs["b"][0].get("source"),
             "batches": summarize(runs["a"], runs["b"]),
         }  # fmt: skip
         (out_dir / "ab.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
@@ -137,8 +168,10 @@ def _print(figures: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"{figures['model']} on {figures['card'] or figures['device']}: A defaults, B "
-        f"{' '.join(figures['switches'] + figures['inductor'])}; {figures['rounds']} rounds, {' '.join(figures['order'])}"
+        title=f"{figures['model']} on {figures['card'] or figures['device']}: A defaults"
+        f"{' of ' + figures['a_src'] if figures.get('a_src') else ''}, B "
+        f"{' '.join(figures['switches'] + figures['inductor']) or 'defaults'}; "
+        f"{figures['rounds']} rounds, {' '.join(figures['order'])}"
     )
     for col in ("batch", "A ms a pass", "B ms a pass", "A of bound", "B of bound", "A ÷ B",
                 "A spread"):  # fmt: skip
@@ -154,7 +187,7 @@ def _print(figures: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m tailcut.bench.hf_ab MODEL --switch pdl [--inductor KEY=VALUE]
-    [--rounds 2] [--batch 64]``."""
+    [--a-src DIR] [--rounds 2] [--batch 64]``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m tailcut.bench.hf_ab")
@@ -171,12 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hbm-gbs", type=float, help="bandwidth of the bound, GB/s")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="the most one run may take")
     ap.add_argument("--out", type=Path, default=Path("ab"), help="folder for the runs' JSON")
+    ap.add_argument("--a-src", type=Path, help="source tree (its src folder) A's runs import")
     a = ap.parse_args(argv)
     try:
         figures = run_ab(
             a.model, a.switch, a.out, batches=a.batch, rounds=a.rounds,
             max_new_tokens=a.max_new_tokens, device=a.device, dtype=a.dtype,
-            hbm_gbs=a.hbm_gbs, timeout_s=a.timeout_s, inductor=a.inductor,
+            hbm_gbs=a.hbm_gbs, timeout_s=a.timeout_s, inductor=a.inductor, a_src=a.a_src,
         )  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"hf_ab: {exc}") from None

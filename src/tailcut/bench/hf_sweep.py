@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tailcut
 from tailcut.bench.hf_bench import Workload, engine_run, make_workload
 from tailcut.types import GenerateRequest, SamplingParams, new_request_id
 
@@ -293,6 +294,7 @@ def run_hf_sweep(
     hbm_gbs = hbm_gbs or (H200_GBS if card is None else card_gbs(card))
     figures: dict[str, Any] = {
         "model": name or model, "device": str(param.device), "card": card,
+        "source": str(Path(tailcut.__file__).resolve().parent),
         "dtype": str(param.dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in lm.parameters()), "weight_bytes": weight_bytes(lm),
         "vocab_size": int(lm.config.get_text_config().vocab_size), "vocab_rows": rows,
