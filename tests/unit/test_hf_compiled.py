@@ -26,11 +26,13 @@ from fakes.hf_runs import (  # noqa: E402
 )
 from hf_families import FAMILIES, WINDOW, tiny_model  # noqa: E402
 from tailcut.engine.hf import HFEngine  # noqa: E402
+from tailcut.engine.hf import decode_attention as kernel_module  # noqa: E402
 from tailcut.engine.hf.compiled import (  # noqa: E402
     CompiledForward,
     inductor_options,
     text_model,
 )
+from tailcut.engine.hf.decode_attention import decode_attention  # noqa: E402
 from tailcut.types import GenerateRequest, GenerateResult, SamplingParams, new_request_id  # noqa: E402
 
 
@@ -69,12 +71,23 @@ def test_compiled_decode_passes_keep_tokens_and_logprobs_and_the_model_comes_bac
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernel", [False, True], ids=["masked", "kernel"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_familys_decode_forward_compiles_unbroken_and_exact(family: str) -> None:
+def test_every_familys_decode_forward_compiles_unbroken_and_exact(
+    family: str, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Windows, soft-capping, mixture-of-experts routing, fused and plain projections: each
     family's text model compiles as one graph a shape class, and its greedy tokens (ragged
     prompts, rows joining a running batch, generations past the window) are
-    ``model.generate``'s."""
+    ``model.generate``'s — with the attention operator's indexed store and masked path,
+    and with the decode kernel run inside the compiled graph (Triton's interpreter)."""
+    ran: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        ran.append(1)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "decode_attention", counted)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -87,7 +100,11 @@ def test_every_familys_decode_forward_compiles_unbroken_and_exact(family: str) -
         reqs = [_req(p, n, temperature=0.0) for p, n in zip(prompts, budgets, strict=True)]
         return list(await asyncio.gather(*(engine.generate(r) for r in reqs)))
 
-    results = run_engine(model, body, slots=3, timeout_s=280, max_seq_len=128, compile_layers=True)
+    results = run_engine(
+        model, body, slots=3, timeout_s=280, max_seq_len=128, compile_layers=True,
+        decode_kernel=kernel,
+    )  # fmt: skip
+    assert (len(ran) >= sum(budgets) // 3) is kernel  # decode passes x layers ran it
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
     assert not counters["graph_break"], dict(counters["graph_break"])
     for p, n, r in zip(prompts, budgets, results, strict=True):
