@@ -154,10 +154,11 @@ class HFEngineConfig(_Model):
     ``triton.enable_pdl``) and the decode-attention kernel so that each one's blocks are
     scheduled while the kernel before it drains, and wait on the device for its outputs
     (``griddepcontrol.wait``) before reading them: the gap between two kernels of a
-    replayed pass shrinks. Tokens are the same either way. None: off (undecided: 0.5B bf16 at batch 64 on an H100, two A/Bs in
-    one session gave A ÷ B 1.010 and 1.116 with runs spread 1.01–1.32 ms a pass on both
-    sides; ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` measures it against the
-    defaults); true on another device is an error."""
+    replayed pass shrinks. Tokens are the same either way. None: off (undecided: 0.5B bf16
+    at batch 64 on an H100, two A/Bs in one session gave A ÷ B 1.010 and 1.116 with runs
+    spread 1.01–1.32 ms a pass on both sides; ``python -m tailcut.bench.hf_ab MODEL
+    --switch pdl`` measures it against the defaults); true on another device is an
+    error."""
     inductor: dict[str, Any] = Field(default_factory=dict)
     """Settings of ``torch._inductor.config`` the compiled decode forward is compiled
     with (``compile_layers``), as a serving engine's inductor compile config: dotted or

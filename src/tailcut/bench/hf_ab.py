@@ -7,14 +7,15 @@ the same code). ``python -m tailcut.bench.hf_ab MODEL --switch pdl`` runs the ba
 ``--rounds`` times (A B, then B A, ...) so that the card's and the host's drift falls on
 both, each run in a process of its own (nothing one run sets or compiles in memory carries
 to the next; inductor's on-disk cache of compiled kernels does, and warm-up runs are not
-timed). B may also set inductor's config (``--inductor KEY=VALUE``,
-such as ``combo_kernels=true``): what the compiled decode forward is built with, which no engine
+timed). B may also set inductor's config (``--inductor KEY=VALUE``, such as
+``combo_kernels=true``): what the compiled decode forward is built with, which no engine
 switch exposes. With ``--a-src DIR`` A's runs import tailcut from another source tree
 (``git worktree add /tmp/before REV``, then ``--a-src /tmp/before/src``): a code change
-A/B'd as a switch is, B being the tree that runs ``hf_ab``. It prints each run's decode milliseconds a pass (the median of the run's
-five timed windows, ``hf_sweep --timed-runs``) and, per batch size, the
-ratio of the medians — A ÷ B, above 1 where B makes a pass faster — beside the spread of
-A's own runs: a ratio within that spread is not a measured gain.
+A/B'd as a switch is, B being the tree that runs ``hf_ab``. It prints each run's decode
+milliseconds a pass (the median of the run's five timed windows, ``hf_sweep
+--timed-runs``) and, per batch size, the ratio of the medians — A ÷ B, above 1 where B
+makes a pass faster — beside the spread of A's own runs: a ratio within that spread is
+not a measured gain.
 """
 
 from __future__ import annotations

@@ -230,9 +230,10 @@ def slot_attention(
                 "engine does not implement; serve this model with engine.kind=vllm or sglang"
             )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    one = query.shape[2] == 1 and key.shape[2] == 1  # one query and one new key a row
     traced = torch.compiler.is_compiling()
-    if (traced and query.shape[2] == 1 and key.shape[2] == 1) or (not traced and _decoding()):
-        if query.shape[2] != 1 or key.shape[2] != 1:
+    if (traced and one) or (not traced and _decoding()):
+        if not one:
             raise ValueError(
                 f"{type(module).__name__} hands the engine's decode pass {query.shape[2]} "
                 f"queries and {key.shape[2]} key columns a row: one each is a decode pass "
